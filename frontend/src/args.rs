@@ -1,0 +1,179 @@
+//! `EngineArgs`: the engine flags shared by `serve`, `generate` and `bench`, with vLLM's
+//! names and defaults, and their translation into the configs each process is started
+//! with. Built once from the command line and passed down; nothing reads flags later.
+
+use std::path::PathBuf;
+
+use anyhow::bail;
+use clap::{Args, ValueEnum};
+use vllm_engine_core::config::EngineCoreConfig;
+use vllm_engine_core::scheduler::{SchedulerConfig, SchedulingPolicy};
+use vllm_worker::model_runner::WorkerConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// CUDA when a GPU is present, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Policy {
+    Fcfs,
+    Priority,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Hugging Face model folder: config.json, *.safetensors, tokenizer.json.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Model name(s) the API answers to (default: the --model path).
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Number of GPUs (worker processes) the model is split across.
+    #[arg(long, short = 't', default_value_t = 1)]
+    pub tensor_parallel_size: u32,
+    /// Context length (prompt plus output); default: the model's own.
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
+    /// Most sequences in one step (default: 256 on CUDA, 64 on the CPU).
+    #[arg(long)]
+    pub max_num_seqs: Option<u32>,
+    /// Most tokens in one step (default: 8192 on CUDA, 2048 on the CPU).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<u32>,
+    /// Fraction of GPU memory for weights, activations and the KV cache.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f32,
+    /// KV-cache budget of the CPU backend, in GiB.
+    #[arg(long, default_value_t = 2.0)]
+    pub cpu_kv_cache_space: f64,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Reuse the KV of shared prompt prefixes (on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Split long prompts into chunks mixed with decodes (on by default).
+    #[arg(long, overrides_with = "no_enable_chunked_prefill")]
+    pub enable_chunked_prefill: bool,
+    #[arg(long)]
+    pub no_enable_chunked_prefill: bool,
+    #[arg(long, value_enum, default_value_t = Policy::Fcfs)]
+    pub scheduling_policy: Policy,
+    /// Force the number of KV blocks, whatever the memory budget says.
+    #[arg(long)]
+    pub num_gpu_blocks_override: Option<u32>,
+    /// Never capture CUDA graphs.
+    #[arg(long)]
+    pub enforce_eager: bool,
+    /// Weight and activation dtype: auto (the checkpoint's), bfloat16, float16, float32.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// Seed of the sampler for requests without their own seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+}
+
+impl EngineArgs {
+    /// The device this run uses. The CUDA backend is not built yet, so `auto` is the CPU.
+    pub fn resolved_device(&self) -> anyhow::Result<&'static str> {
+        match self.device {
+            Device::Auto | Device::Cpu => Ok("cpu"),
+            Device::Cuda => bail!("--device cuda: this build has no CUDA backend yet; use --device cpu"),
+        }
+    }
+
+    pub fn served_model_names(&self) -> Vec<String> {
+        if self.served_model_name.is_empty() {
+            vec![self.model.display().to_string()]
+        } else {
+            self.served_model_name.clone()
+        }
+    }
+
+    /// Checks the flags that no process would check before it is too late to say so well.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if !self.model.is_dir() {
+            bail!("--model {}: no such model directory", self.model.display());
+        }
+        if self.tensor_parallel_size == 0 {
+            bail!("--tensor-parallel-size must be at least 1");
+        }
+        if self.block_size == 0 || self.block_size > 256 {
+            bail!("--block-size must be in 1..=256, got {}", self.block_size);
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            bail!("--gpu-memory-utilization must be in (0, 1], got {}", self.gpu_memory_utilization);
+        }
+        if self.max_num_seqs == Some(0) || self.max_num_batched_tokens == Some(0) {
+            bail!("--max-num-seqs and --max-num-batched-tokens must be at least 1");
+        }
+        if self.num_gpu_blocks_override == Some(0) {
+            bail!("--num-gpu-blocks-override must be at least 1");
+        }
+        self.resolved_device()?;
+        Ok(())
+    }
+
+    fn step_limits(&self) -> anyhow::Result<(u32, u32)> {
+        let (seqs, tokens) = match self.resolved_device()? {
+            "cpu" => (64, 2048),
+            _ => (256, 8192),
+        };
+        Ok((self.max_num_seqs.unwrap_or(seqs), self.max_num_batched_tokens.unwrap_or(tokens)))
+    }
+
+    fn worker_config(&self) -> anyhow::Result<WorkerConfig> {
+        let (max_num_seqs, max_num_batched_tokens) = self.step_limits()?;
+        Ok(WorkerConfig {
+            model_dir: self.model.clone(),
+            rank: 0,
+            world_size: self.tensor_parallel_size,
+            device: self.resolved_device()?.to_string(),
+            dtype: (self.dtype != "auto").then(|| self.dtype.clone()),
+            block_size: self.block_size,
+            max_model_len: self.max_model_len,
+            max_num_batched_tokens,
+            max_num_seqs,
+            kv_cache_memory_bytes: (self.cpu_kv_cache_space * (1u64 << 30) as f64) as u64,
+            num_gpu_blocks_override: self.num_gpu_blocks_override,
+            seed: self.seed,
+        })
+    }
+
+    /// The engine-core's configuration; `exe` is the binary its children run.
+    pub fn engine_core_config(&self, exe: PathBuf) -> anyhow::Result<EngineCoreConfig> {
+        self.validate()?;
+        let (max_num_seqs, max_num_batched_tokens) = self.step_limits()?;
+        let scheduler = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len: 0,
+            block_size: self.block_size,
+            num_gpu_blocks: 0,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
+            enable_chunked_prefill: !self.no_enable_chunked_prefill,
+            policy: match self.scheduling_policy {
+                Policy::Fcfs => SchedulingPolicy::Fcfs,
+                Policy::Priority => SchedulingPolicy::Priority,
+            },
+            long_prefill_token_threshold: 0,
+        };
+        Ok(EngineCoreConfig {
+            run_dir: PathBuf::new(),
+            exe,
+            world_size: self.tensor_parallel_size,
+            worker_config_json: serde_json::to_string(&self.worker_config()?)?,
+            scheduler,
+            max_model_len_override: self.max_model_len,
+            num_gpu_blocks_override: self.num_gpu_blocks_override,
+        })
+    }
+}

@@ -1,0 +1,90 @@
+//! The command line of the one `vllm-rs` binary: the user-facing commands and the hidden
+//! roles (`engine-core`, `worker`) in which the binary starts itself again.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::args::EngineArgs;
+
+#[derive(Debug, Parser)]
+#[command(name = "vllm-rs", version, about = "LLM inference and serving with an OpenAI-compatible API")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve a model over the OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
+    /// Generate a completion for one prompt and print it.
+    Generate(GenerateArgs),
+    /// Write a random, seeded model folder (weights, config, tokenizer) for tests and benchmarks.
+    MakeTinyModel(MakeTinyModelArgs),
+    /// The engine-core process (started by `serve` and `generate`).
+    #[command(hide = true)]
+    EngineCore {
+        #[arg(long)]
+        config_json: String,
+    },
+    /// A worker process (started by the engine-core).
+    #[command(hide = true)]
+    Worker {
+        #[arg(long)]
+        rank: u32,
+        #[arg(long)]
+        world_size: u32,
+        #[arg(long)]
+        run_dir: PathBuf,
+        #[arg(long)]
+        config_json: String,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY).
+    #[arg(long, env = "VLLM_API_KEY")]
+    pub api_key: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: u32,
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: i32,
+    /// Seed of this request's sampling.
+    #[arg(long = "sampling-seed")]
+    pub sampling_seed: Option<u64>,
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct MakeTinyModelArgs {
+    /// Folder to write (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Shape preset: tiny-qwen3, tiny-qwen2, tiny-llama, or a real shape: qwen3-0.6b,
+    /// qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-32b, qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b.
+    #[arg(long, default_value = "tiny-qwen3")]
+    pub preset: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}

@@ -1,0 +1,13 @@
+//! The frontend of vllm-rs and the `vllm-rs` binary's roles: the CLI, the OpenAI server,
+//! tokenization and detokenization, the engine-core client and output processing.
+
+pub mod args;
+pub mod async_llm;
+pub mod cli;
+pub mod detokenizer;
+pub mod engine_client;
+pub mod generate;
+pub mod output_processor;
+pub mod server;
+pub mod stop_strings;
+pub mod tokenizer;

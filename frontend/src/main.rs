@@ -1,0 +1,50 @@
+//! `vllm-rs`: one binary for every role. `serve` and `generate` are the launchers; they
+//! start this same binary as `engine-core`, which starts it as `worker` once per rank.
+
+use clap::Parser;
+use vllm_frontend::cli::{Cli, Command};
+
+fn main() {
+    let cli = Cli::parse();
+    init_tracing();
+    let code = match run(cli.command) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(command: Command) -> anyhow::Result<i32> {
+    match command {
+        Command::Serve(args) => runtime()?.block_on(vllm_frontend::server::serve(args)),
+        Command::Generate(args) => runtime()?.block_on(vllm_frontend::generate::generate(args)),
+        Command::MakeTinyModel(args) => vllm_frontend::generate::make_tiny_model(&args).map(|()| 0),
+        Command::EngineCore { config_json } => {
+            let config = serde_json::from_str(&config_json)?;
+            runtime()?.block_on(vllm_engine_core::engine_core::run_engine_core(config))
+        }
+        Command::Worker { rank, world_size, run_dir, config_json } => {
+            let mut config: vllm_worker::model_runner::WorkerConfig = serde_json::from_str(&config_json)?;
+            config.rank = rank;
+            config.world_size = world_size;
+            let args = vllm_worker::worker_proc::WorkerArgs { rank, world_size, run_dir, config };
+            // The model step blocks its thread; one runtime thread is all the sockets need.
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(vllm_worker::worker_proc::run_worker(args))
+        }
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+/// Logs go to stderr; `RUST_LOG` filters them (default: info).
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}

@@ -1,0 +1,120 @@
+//! The OpenAI-compatible HTTP server (axum). `serve` starts the engine, binds the listener
+//! and serves until Ctrl-C / SIGTERM (clean exit) or until the engine dies (exit 1 after a
+//! short grace, so in-flight responses can carry their error to the clients).
+
+mod completions;
+mod error;
+mod health;
+mod request_fields;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+
+pub use error::ApiError;
+
+use crate::async_llm::AsyncLLM;
+use crate::cli::ServeArgs;
+
+pub struct AppState {
+    pub llm: AsyncLLM,
+    pub served_model_names: Vec<String>,
+    pub api_key: Option<String>,
+}
+
+impl AppState {
+    /// The model name a response reports: the one asked for, or the first served name.
+    pub fn model_name(&self, requested: Option<&str>) -> Result<String, ApiError> {
+        match requested {
+            None => Ok(self.served_model_names[0].clone()),
+            Some(name) if self.served_model_names.iter().any(|n| n == name) => Ok(name.to_string()),
+            Some(name) => Err(ApiError::not_found(format!("The model `{name}` does not exist."))),
+        }
+    }
+
+    /// 503 once the engine is dead, so no request is accepted that could never finish.
+    pub fn check_alive(&self) -> Result<(), ApiError> {
+        match self.llm.client.dead_reason() {
+            Some(why) => Err(ApiError::unavailable(format!("The engine is dead: {why}"))),
+            None => Ok(()),
+        }
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/completions", post(completions::create_completion))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health::health))
+        .route("/metrics", get(health::metrics))
+        .with_state(state)
+}
+
+async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Result<Response, ApiError> {
+    if let Some(key) = &state.api_key {
+        let given = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+        if given != Some(format!("Bearer {key}").as_str()) {
+            return Err(ApiError::unauthorized());
+        }
+    }
+    Ok(next.run(req).await)
+}
+
+/// `vllm-rs serve`: returns the process's exit code.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
+    let llm = AsyncLLM::start(&args.engine).await?;
+    let state = Arc::new(AppState {
+        llm,
+        served_model_names: args.engine.served_model_names(),
+        api_key: args.api_key.clone(),
+    });
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    tracing::info!("serving {} on http://{addr}", state.served_model_names.join(", "));
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let app = router(state.clone());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app).with_graceful_shutdown(async { let _ = stop_rx.await; }).await
+    });
+    let code = tokio::select! {
+        why = state.llm.client.wait_dead() => {
+            tracing::error!("shutting down: {why}");
+            // Let in-flight responses carry their errors out, with /health at 503.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            1
+        }
+        () = shutdown_signal() => {
+            tracing::info!("shutting down");
+            0
+        }
+    };
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    state.llm.shutdown().await;
+    Ok(code)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+}

@@ -1,0 +1,4 @@
+//! Compute kernels. `cpu` holds the plain f32 reference of every kernel: the CPU backend
+//! runs on it, and the CUDA kernels are checked against it.
+
+pub mod cpu;

@@ -1,0 +1,162 @@
+//! Shared helpers of the integration tests: the tiny model they run, a `vllm-rs serve`
+//! process on a free port (stopped when dropped), and process-tree inspection through /proc.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub fn exe() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_vllm-rs"))
+}
+
+/// The tiny random model every test serves, written once per test binary.
+pub fn tiny_model() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let status = Command::new(exe())
+            .args(["make-tiny-model", "--out"])
+            .arg(dir.path())
+            .args(["--preset", "tiny-qwen3", "--seed", "1"])
+            .stdout(Stdio::null())
+            .status()
+            .expect("run make-tiny-model");
+        assert!(status.success(), "make-tiny-model failed");
+        dir
+    })
+    .path()
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// A running `vllm-rs serve`, terminated on drop.
+pub struct Server {
+    pub child: Child,
+    pub base: String,
+    log: tempfile::NamedTempFile,
+}
+
+impl Server {
+    pub fn start(extra: &[&str]) -> Server {
+        Self::start_with_model(tiny_model(), extra)
+    }
+
+    pub fn start_with_model(model: &Path, extra: &[&str]) -> Server {
+        let port = free_port();
+        let log = tempfile::NamedTempFile::new().expect("log file");
+        let child = Command::new(exe())
+            .args(["serve", "--model"])
+            .arg(model)
+            .args(["--port", &port.to_string(), "--served-model-name", "tiny"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log.reopen().expect("log"))
+            .spawn()
+            .expect("spawn vllm-rs serve");
+        let mut server = Server { child, base: format!("http://127.0.0.1:{port}"), log };
+        server.wait_healthy(Duration::from_secs(120));
+        server
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
+    }
+
+    fn wait_healthy(&mut self, limit: Duration) {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("vllm-rs serve exited during startup ({status}):\n{}", self.log());
+            }
+            if http_status(&self.url("/health")) == Ok(200) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("vllm-rs serve not healthy after {limit:?}:\n{}", self.log());
+    }
+
+    /// Waits for the server process to exit by itself.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+            if self.wait_exit(Duration::from_secs(15)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
+    }
+}
+
+/// The status code of a plain blocking HTTP GET, so health polls need no async runtime.
+pub fn http_status(url: &str) -> Result<u16, String> {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap_or(url);
+    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let mut stream = std::net::TcpStream::connect(host).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut buf = String::new();
+    stream.read_to_string(&mut buf).map_err(|e| e.to_string())?;
+    buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| "no status line".to_string())
+}
+
+/// Parent pid of `pid`, from /proc.
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces; the fields after its closing paren do not.
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split_whitespace().nth(1)?.parse().ok()
+}
+
+pub fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+}
+
+/// Every live process below `root` in the process tree.
+pub fn descendants(root: u32) -> Vec<u32> {
+    let all: Vec<u32> = std::fs::read_dir("/proc")
+        .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .unwrap_or_default();
+    let mut found = vec![root];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(all.iter().copied().filter(|&p| parent_of(p) == Some(parent) && !found.contains(&p)));
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+pub fn is_alive(pid: u32) -> bool {
+    // A zombie has exited; only its parent has yet to reap it.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map(|s| !s.contains(") Z ")).unwrap_or(false)
+}

@@ -1,0 +1,176 @@
+//! The `Backend`: every op the model uses, over backend-owned tensor handles.
+//!
+//! Model code is written once against this trait and never touches elements; the CPU
+//! backend (`cpu.rs`) runs the f32 reference kernels, a CUDA backend implements the same
+//! ops with its own kernels. Per-step metadata (`StepInputs`) is uploaded once per step as
+//! small i32 tensors (`StepMetadata`) that every layer reads.
+
+pub mod cpu;
+
+pub use cpu::CpuBackend;
+
+use anyhow::Result;
+use vllm_kernels::cpu::attention::PagedAttentionShape;
+
+use crate::weights::HostTensor;
+
+/// Host-side inputs of one forward step, in batch order (vLLM's names).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepInputs {
+    /// [num_tokens] token ids to compute.
+    pub input_ids: Vec<i32>,
+    /// [num_tokens] absolute position of each token in its sequence.
+    pub positions: Vec<i32>,
+    /// [num_tokens] cache slot (`block_id * block_size + offset`) of each token's K/V.
+    pub slot_mapping: Vec<i32>,
+    /// [num_seqs, max_blocks_per_seq], rows padded with 0 (never read past `seq_lens`).
+    pub block_tables: Vec<i32>,
+    pub max_blocks_per_seq: usize,
+    /// [num_seqs] tokens of each sequence once this step's are in the cache.
+    pub seq_lens: Vec<i32>,
+    /// [num_seqs + 1] prefix sums of the tokens each sequence computes this step.
+    pub query_start_loc: Vec<i32>,
+    /// Rows of the hidden states whose logits are needed (last token of each sequence
+    /// that completes this step).
+    pub logits_indices: Vec<i32>,
+}
+
+impl StepInputs {
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+    pub fn num_seqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+}
+
+/// `StepInputs` on the device, uploaded once per step.
+pub struct StepMetadata<B: Backend + ?Sized> {
+    pub input_ids: B::Ints,
+    pub positions: B::Ints,
+    pub slot_mapping: B::Ints,
+    pub block_tables: B::Ints,
+    pub seq_lens: B::Ints,
+    pub query_start_loc: B::Ints,
+    pub logits_indices: B::Ints,
+    pub num_tokens: usize,
+    pub num_seqs: usize,
+    pub max_blocks_per_seq: usize,
+}
+
+/// The ops of a Llama-family decoder. Activations are [rows, cols] (cols may be read as
+/// [heads, head_dim]); the KV cache of one layer is one K and one V tensor of
+/// [num_blocks, block_size, num_kv_heads, head_dim].
+pub trait Backend {
+    /// A floating-point tensor (weights, activations, KV cache) owned by the backend.
+    type Tensor;
+    /// A small i32 tensor of step metadata.
+    type Ints;
+
+    /// Device name reported to the engine ("cpu", "cuda:0").
+    fn device_name(&self) -> String;
+    /// The dtype activations and weights are computed in ("float32" on CPU).
+    fn dtype_name(&self) -> &'static str;
+    /// Bytes per element of the KV cache, for sizing the block pool.
+    fn kv_cache_element_bytes(&self) -> usize;
+
+    fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
+    fn upload_ints(&self, data: &[i32]) -> Result<Self::Ints>;
+    fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;
+
+    /// Uploads one step's metadata.
+    fn upload_step(&self, inputs: &StepInputs) -> Result<StepMetadata<Self>> {
+        Ok(StepMetadata {
+            input_ids: self.upload_ints(&inputs.input_ids)?,
+            positions: self.upload_ints(&inputs.positions)?,
+            slot_mapping: self.upload_ints(&inputs.slot_mapping)?,
+            block_tables: self.upload_ints(&inputs.block_tables)?,
+            seq_lens: self.upload_ints(&inputs.seq_lens)?,
+            query_start_loc: self.upload_ints(&inputs.query_start_loc)?,
+            logits_indices: self.upload_ints(&inputs.logits_indices)?,
+            num_tokens: inputs.num_tokens(),
+            num_seqs: inputs.num_seqs(),
+            max_blocks_per_seq: inputs.max_blocks_per_seq,
+        })
+    }
+
+    /// One layer's K or V cache, NaN-free but uninitialised in meaning.
+    fn alloc_kv_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self::Tensor>;
+
+    /// Rows of `table` (a vocabulary shard starting at `vocab_start`) for `ids`; zeros for
+    /// ids outside the shard.
+    fn embedding(
+        &self,
+        table: &Self::Tensor,
+        ids: &Self::Ints,
+        vocab_start: usize,
+    ) -> Result<Self::Tensor>;
+    /// `x · wᵀ + bias`, `w` in [out, in] layout.
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
+    ) -> Result<Self::Tensor>;
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// `residual += x; x = rms_norm(residual)`, in place.
+    fn fused_add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        residual: &mut Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<()>;
+    /// RMSNorm of each `weight.len()`-wide head of `x`, in place.
+    fn rms_norm_per_head(
+        &self,
+        x: &mut Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<()>;
+    /// Splits the columns of `x` into consecutive parts of the given widths (q, k, v).
+    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
+    /// Neox rotary embedding of `q` and `k` in place; `cos_sin_cache` [max_pos, rotary_dim].
+    fn rotary_embedding(
+        &self,
+        positions: &Self::Ints,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        head_dim: usize,
+        cos_sin_cache: &Self::Tensor,
+    ) -> Result<()>;
+    fn reshape_and_cache(
+        &self,
+        key: &Self::Tensor,
+        value: &Self::Tensor,
+        key_cache: &mut Self::Tensor,
+        value_cache: &mut Self::Tensor,
+        slot_mapping: &Self::Ints,
+    ) -> Result<()>;
+    fn paged_attention(
+        &self,
+        q: &Self::Tensor,
+        key_cache: &Self::Tensor,
+        value_cache: &Self::Tensor,
+        meta: &StepMetadata<Self>,
+        shape: &PagedAttentionShape,
+        scale: f32,
+    ) -> Result<Self::Tensor>;
+    /// [T, 2d] → [T, d]: `silu(gate) * up`.
+    fn silu_and_mul(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// Rows `indices` of `x`, in order.
+    fn gather_rows(&self, x: &Self::Tensor, indices: &Self::Ints) -> Result<Self::Tensor>;
+
+    /// TENSOR-PARALLEL HOOK: sums `x` over all ranks after a row-parallel layer or the
+    /// vocab-parallel embedding. Identity on world size 1.
+    fn all_reduce(&self, x: &mut Self::Tensor) -> Result<()>;
+    /// TENSOR-PARALLEL HOOK: concatenates each rank's columns (vocab-parallel logits).
+    /// Identity on world size 1.
+    fn all_gather_cols(&self, x: Self::Tensor) -> Result<Self::Tensor>;
+}

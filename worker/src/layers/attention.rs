@@ -1,0 +1,48 @@
+//! Attention over the paged KV cache: store this step's K and V at their slots, then attend
+//! every query token causally to its sequence's cached keys.
+
+use anyhow::Result;
+use vllm_kernels::cpu::attention::PagedAttentionShape;
+
+use crate::backend::{Backend, StepMetadata};
+use crate::kv_cache::KvCacheLayer;
+
+pub struct Attention {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+impl Attention {
+    /// Local (this rank's) head counts.
+    pub fn new(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        q: &B::Tensor,
+        k: &B::Tensor,
+        v: &B::Tensor,
+        cache: &mut KvCacheLayer<B>,
+        block_size: usize,
+        meta: &StepMetadata<B>,
+    ) -> Result<B::Tensor> {
+        b.reshape_and_cache(k, v, &mut cache.key, &mut cache.value, &meta.slot_mapping)?;
+        let shape = PagedAttentionShape {
+            num_q_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            block_size,
+            max_blocks_per_seq: meta.max_blocks_per_seq,
+        };
+        b.paged_attention(q, &cache.key, &cache.value, meta, &shape, self.scale)
+    }
+}

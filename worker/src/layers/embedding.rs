@@ -1,0 +1,97 @@
+//! Vocabulary-parallel embedding and LM head (DESIGN §7): each rank holds a contiguous
+//! slice of the vocabulary; the embedding sums the ranks' rows (ids outside a shard give
+//! zeros), the LM head gathers each rank's logits columns.
+
+use anyhow::Result;
+
+use super::TensorParallel;
+use crate::backend::Backend;
+use crate::weights::Weights;
+
+/// `(start, len)` of this rank's vocabulary slice: ceil(vocab / tp) rows, the last rank
+/// keeping what is left.
+fn vocab_shard(vocab: usize, tp: TensorParallel) -> (usize, usize) {
+    let per_rank = vocab.div_ceil(tp.size);
+    let start = (tp.rank * per_rank).min(vocab);
+    (start, per_rank.min(vocab - start))
+}
+
+pub struct VocabParallelEmbedding<B: Backend> {
+    weight: B::Tensor,
+    vocab_start: usize,
+}
+
+impl<B: Backend> VocabParallelEmbedding<B> {
+    pub fn load(
+        b: &B,
+        weights: &Weights,
+        name: &str,
+        vocab: usize,
+        hidden: usize,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let (start, len) = vocab_shard(vocab, tp);
+        let w = weights.get(name, &[vocab, hidden])?;
+        let w = if tp.size == 1 {
+            w
+        } else {
+            w.narrow(0, start, len)
+        };
+        Ok(Self {
+            weight: b.upload(&w)?,
+            vocab_start: start,
+        })
+    }
+
+    pub fn forward(&self, b: &B, ids: &B::Ints) -> Result<B::Tensor> {
+        let mut x = b.embedding(&self.weight, ids, self.vocab_start)?;
+        b.all_reduce(&mut x)?;
+        Ok(x)
+    }
+}
+
+/// The LM head: `lm_head.weight`, or the embedding's weight when tied.
+pub struct ParallelLMHead<B: Backend> {
+    weight: B::Tensor,
+}
+
+impl<B: Backend> ParallelLMHead<B> {
+    pub fn load(
+        b: &B,
+        weights: &Weights,
+        name: &str,
+        vocab: usize,
+        hidden: usize,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let (start, len) = vocab_shard(vocab, tp);
+        let w = weights.get(name, &[vocab, hidden])?;
+        let w = if tp.size == 1 {
+            w
+        } else {
+            w.narrow(0, start, len)
+        };
+        Ok(Self {
+            weight: b.upload(&w)?,
+        })
+    }
+
+    /// Logits [rows, vocab] of hidden states [rows, hidden].
+    pub fn forward(&self, b: &B, hidden: &B::Tensor) -> Result<B::Tensor> {
+        let logits = b.linear(hidden, &self.weight, None)?;
+        b.all_gather_cols(logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vocab_shards_cover_the_vocabulary() {
+        let tp = |rank| TensorParallel { rank, size: 3 };
+        assert_eq!(vocab_shard(10, tp(0)), (0, 4));
+        assert_eq!(vocab_shard(10, tp(1)), (4, 4));
+        assert_eq!(vocab_shard(10, tp(2)), (8, 2));
+    }
+}

@@ -1,0 +1,162 @@
+//! The tensor-parallel linear layers of DESIGN §7, loaded from HF tensor names.
+//!
+//! Column-parallel layers (`QKVParallelLinear`, `MergedColumnParallelLinear`) keep this
+//! rank's slice of output rows and need no communication. `RowParallelLinear` keeps a
+//! slice of input columns and sums partial outputs across ranks with `Backend::all_reduce`.
+//! With tp size 1 every shard is the whole tensor.
+
+use anyhow::{ensure, Result};
+
+use super::TensorParallel;
+use crate::backend::Backend;
+use crate::weights::{HostTensor, Weights};
+
+/// Fused q, k, v projection. Loads `<prefix>.{q,k,v}_proj.{weight,bias}` and keeps this
+/// rank's heads; when tp size exceeds the kv heads, each rank keeps one replicated kv head.
+pub struct QKVParallelLinear<B: Backend> {
+    weight: B::Tensor,
+    bias: Option<B::Tensor>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl<B: Backend> QKVParallelLinear<B> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn load(
+        b: &B,
+        weights: &Weights,
+        prefix: &str,
+        hidden: usize,
+        total_heads: usize,
+        total_kv_heads: usize,
+        head_dim: usize,
+        bias: bool,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let (q_head0, num_heads) = tp.even_shard(total_heads, "num_attention_heads")?;
+        let (kv_head0, num_kv_heads) = if tp.size >= total_kv_heads {
+            ensure!(
+                tp.size % total_kv_heads == 0,
+                "tp size {} must be a multiple of kv heads {total_kv_heads}",
+                tp.size
+            );
+            (tp.rank * total_kv_heads / tp.size, 1)
+        } else {
+            tp.even_shard(total_kv_heads, "num_key_value_heads")?
+        };
+        let part = |name: &str,
+                    heads_total: usize,
+                    head0: usize,
+                    heads: usize|
+         -> Result<(HostTensor, Option<HostTensor>)> {
+            let w = weights.get(
+                &format!("{prefix}.{name}.weight"),
+                &[heads_total * head_dim, hidden],
+            )?;
+            let w = w.narrow(0, head0 * head_dim, heads * head_dim);
+            let bias_t = if bias {
+                let bt =
+                    weights.get(&format!("{prefix}.{name}.bias"), &[heads_total * head_dim])?;
+                Some(bt.narrow(0, head0 * head_dim, heads * head_dim))
+            } else {
+                None
+            };
+            Ok((w, bias_t))
+        };
+        let (qw, qb) = part("q_proj", total_heads, q_head0, num_heads)?;
+        let (kw, kb) = part("k_proj", total_kv_heads, kv_head0, num_kv_heads)?;
+        let (vw, vb) = part("v_proj", total_kv_heads, kv_head0, num_kv_heads)?;
+        let weight = b.upload(&HostTensor::cat_rows(&[qw, kw, vw]))?;
+        let bias = match (qb, kb, vb) {
+            (Some(q), Some(k), Some(v)) => Some(b.upload(&HostTensor::cat_rows(&[q, k, v]))?),
+            _ => None,
+        };
+        Ok(Self {
+            weight,
+            bias,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        })
+    }
+
+    /// `(q, k, v)`: [T, heads·head_dim], [T, kv_heads·head_dim] twice.
+    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<(B::Tensor, B::Tensor, B::Tensor)> {
+        let qkv = b.linear(x, &self.weight, self.bias.as_ref())?;
+        let (q, kv) = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        );
+        let mut parts = b.split_cols(&qkv, &[q, kv, kv])?.into_iter();
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
+            _ => anyhow::bail!("split_cols returned fewer than 3 parts"),
+        }
+    }
+}
+
+/// Several column-parallel projections of the same input fused into one GEMM (gate/up).
+pub struct MergedColumnParallelLinear<B: Backend> {
+    weight: B::Tensor,
+}
+
+impl<B: Backend> MergedColumnParallelLinear<B> {
+    /// Loads each `names[i]` of shape [out, input] and keeps this rank's rows of each.
+    pub fn load(
+        b: &B,
+        weights: &Weights,
+        names: &[String],
+        input: usize,
+        out: usize,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let (start, len) = tp.even_shard(out, "intermediate_size")?;
+        let parts = names
+            .iter()
+            .map(|n| Ok(weights.get(n, &[out, input])?.narrow(0, start, len)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            weight: b.upload(&HostTensor::cat_rows(&parts))?,
+        })
+    }
+
+    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        b.linear(x, &self.weight, None)
+    }
+}
+
+/// Row-parallel projection (o_proj, down_proj): this rank's input columns, then the
+/// all-reduce that sums the ranks' partial outputs.
+pub struct RowParallelLinear<B: Backend> {
+    weight: B::Tensor,
+}
+
+impl<B: Backend> RowParallelLinear<B> {
+    /// Loads `name` of shape [out, input] and keeps this rank's columns.
+    pub fn load(
+        b: &B,
+        weights: &Weights,
+        name: &str,
+        input: usize,
+        out: usize,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let (start, len) = tp.even_shard(input, name)?;
+        let w = weights.get(name, &[out, input])?;
+        let w = if tp.size == 1 {
+            w
+        } else {
+            w.narrow(1, start, len)
+        };
+        Ok(Self {
+            weight: b.upload(&w)?,
+        })
+    }
+
+    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let mut y = b.linear(x, &self.weight, None)?;
+        b.all_reduce(&mut y)?;
+        Ok(y)
+    }
+}

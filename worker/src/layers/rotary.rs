@@ -1,0 +1,37 @@
+//! Rotary embedding: the cos/sin table for this model's theta and scaling, applied to q and
+//! k at each token's position.
+
+use anyhow::Result;
+use vllm_kernels::cpu::{compute_cos_sin_cache, compute_inv_freq};
+
+use crate::backend::Backend;
+use crate::config::ModelConfig;
+use crate::weights::HostTensor;
+
+pub struct RotaryEmbedding<B: Backend> {
+    cos_sin_cache: B::Tensor,
+    head_dim: usize,
+}
+
+impl<B: Backend> RotaryEmbedding<B> {
+    /// A table for positions `0..max_positions` (the served max_model_len).
+    pub fn new(b: &B, cfg: &ModelConfig, max_positions: usize) -> Result<Self> {
+        let inv_freq = compute_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling);
+        let cache = compute_cos_sin_cache(&inv_freq, max_positions);
+        let cos_sin_cache = b.upload(&HostTensor::new(vec![max_positions, cfg.head_dim], cache))?;
+        Ok(Self {
+            cos_sin_cache,
+            head_dim: cfg.head_dim,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        b: &B,
+        positions: &B::Ints,
+        q: &mut B::Tensor,
+        k: &mut B::Tensor,
+    ) -> Result<()> {
+        b.rotary_embedding(positions, q, k, self.head_dim, &self.cos_sin_cache)
+    }
+}

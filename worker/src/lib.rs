@@ -1,0 +1,14 @@
+//! The worker: model runner, model definitions, layers, weight loading, KV cache, sampler
+//! and backends (DESIGN §2).
+pub mod backend;
+pub mod config;
+pub mod input_batch;
+pub mod kv_cache;
+pub mod layers;
+pub mod model_runner;
+pub mod models;
+pub mod reference;
+pub mod sampler;
+pub mod tiny_model;
+pub mod weights;
+pub mod worker_proc;

@@ -1,0 +1,286 @@
+//! `ModelRunner`: the worker's model, KV cache and sampler, driven one `SchedulerOutput`
+//! at a time: update request states → build the step's inputs → forward → logits of the
+//! requests that complete → sample.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, ensure, Context, Result};
+use vllm_protocol::{ModelInfo, ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerProfile};
+
+use crate::backend::{Backend, CpuBackend};
+use crate::config::ModelConfig;
+use crate::input_batch::InputBatch;
+use crate::kv_cache::{bytes_per_block, KvCache};
+use crate::layers::TensorParallel;
+use crate::models::{variant_for, LlamaForCausalLM};
+use crate::sampler::{Sampler, SamplingRequest};
+use crate::weights::Weights;
+
+/// How the engine-core configured this worker.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct WorkerConfig {
+    pub model_dir: PathBuf,
+    pub rank: u32,
+    pub world_size: u32,
+    /// "cpu" (a CUDA backend will add "cuda").
+    pub device: String,
+    pub dtype: Option<String>,
+    pub block_size: u32,
+    pub max_model_len: Option<u32>,
+    pub max_num_batched_tokens: u32,
+    pub max_num_seqs: u32,
+    /// CPU: the memory budget for KV blocks.
+    pub kv_cache_memory_bytes: u64,
+    pub num_gpu_blocks_override: Option<u32>,
+    pub seed: u64,
+}
+
+pub struct ModelRunner<B: Backend = CpuBackend> {
+    backend: B,
+    cfg: WorkerConfig,
+    model_config: ModelConfig,
+    model: LlamaForCausalLM<B>,
+    max_model_len: usize,
+    num_kv_heads: usize,
+    kv_cache: Option<KvCache<B>>,
+    batch: InputBatch,
+    sampler: Sampler,
+}
+
+/// `max_model_len` from the flag, bounded by the model's `max_position_embeddings`.
+fn resolve_max_model_len(cfg: &WorkerConfig, model: &ModelConfig) -> Result<usize> {
+    let limit = model.max_position_embeddings;
+    match cfg.max_model_len {
+        None => Ok(limit),
+        Some(n) if n as usize > limit => {
+            bail!("max_model_len {n} exceeds the model's max_position_embeddings {limit}")
+        }
+        Some(0) => bail!("max_model_len must be positive"),
+        Some(n) => Ok(n as usize),
+    }
+}
+
+impl ModelRunner<CpuBackend> {
+    /// Loads the model of `cfg.model_dir` on the device `cfg.device`.
+    pub fn load(cfg: &WorkerConfig) -> Result<Self> {
+        match cfg.device.as_str() {
+            "cpu" => {
+                if let Some(d) = cfg
+                    .dtype
+                    .as_deref()
+                    .filter(|d| !matches!(*d, "auto" | "float32"))
+                {
+                    tracing::info!(
+                        "the CPU backend computes in float32; --dtype {d} applies to GPUs only"
+                    );
+                }
+                Self::with_backend(CpuBackend::new(cfg.world_size)?, cfg)
+            }
+            other => bail!("device \"{other}\" is not supported by this build (supported: cpu)"),
+        }
+    }
+}
+
+impl<B: Backend> ModelRunner<B> {
+    pub fn with_backend(backend: B, cfg: &WorkerConfig) -> Result<Self> {
+        ensure!(cfg.block_size > 0, "block_size must be positive");
+        ensure!(
+            cfg.rank < cfg.world_size,
+            "rank {} outside world size {}",
+            cfg.rank,
+            cfg.world_size
+        );
+        let model_config = ModelConfig::from_model_dir(&cfg.model_dir)?;
+        let max_model_len = resolve_max_model_len(cfg, &model_config)?;
+        let tp = TensorParallel {
+            rank: cfg.rank as usize,
+            size: cfg.world_size as usize,
+        };
+        let started = std::time::Instant::now();
+        let weights = Weights::open(&cfg.model_dir)?;
+        let bar = indicatif::ProgressBar::new(model_config.num_hidden_layers as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} layers")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let model = LlamaForCausalLM::load(
+            &backend,
+            &weights,
+            &model_config,
+            variant_for(&model_config),
+            tp,
+            max_model_len,
+            |_| bar.inc(1),
+        )
+        .with_context(|| format!("loading weights from {}", cfg.model_dir.display()))?;
+        bar.finish_and_clear();
+        tracing::info!(
+            architecture = model_config.architecture.hf_name(),
+            layers = model_config.num_hidden_layers,
+            device = backend.device_name(),
+            seconds = started.elapsed().as_secs_f32(),
+            "model loaded"
+        );
+        let num_kv_heads = model_config
+            .num_key_value_heads
+            .div_ceil(cfg.world_size as usize)
+            .max(1);
+        Ok(Self {
+            backend,
+            cfg: cfg.clone(),
+            model_config,
+            model,
+            max_model_len,
+            num_kv_heads,
+            kv_cache: None,
+            batch: InputBatch::default(),
+            sampler: Sampler::new(cfg.seed),
+        })
+    }
+
+    pub fn model_config(&self) -> &ModelConfig {
+        &self.model_config
+    }
+
+    fn bytes_per_block(&self) -> u64 {
+        bytes_per_block(
+            self.model_config.num_hidden_layers,
+            self.cfg.block_size as usize,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+            self.backend.kv_cache_element_bytes(),
+        )
+    }
+
+    /// How many KV blocks fit this rank's budget (or the override), and the model facts.
+    pub fn profile(&mut self) -> Result<WorkerProfile> {
+        let per_block = self.bytes_per_block();
+        let num_available_blocks = match self.cfg.num_gpu_blocks_override {
+            Some(n) => n,
+            None => {
+                let n = self.cfg.kv_cache_memory_bytes / per_block;
+                ensure!(
+                    n > 0,
+                    "KV cache budget of {} bytes holds no block ({per_block} bytes per block)",
+                    self.cfg.kv_cache_memory_bytes
+                );
+                u32::try_from(n).unwrap_or(u32::MAX)
+            }
+        };
+        tracing::info!(
+            num_available_blocks,
+            bytes_per_block = per_block,
+            "profiled KV cache"
+        );
+        Ok(WorkerProfile {
+            rank: self.cfg.rank,
+            num_available_blocks,
+            model: ModelInfo {
+                architecture: self.model_config.architecture.hf_name().to_string(),
+                vocab_size: self.model_config.vocab_size as u32,
+                num_hidden_layers: self.model_config.num_hidden_layers as u32,
+                max_model_len: self.max_model_len as u32,
+                dtype: self.backend.dtype_name().to_string(),
+            },
+            device: self.backend.device_name(),
+        })
+    }
+
+    pub fn initialize_kv_cache(&mut self, num_blocks: u32) -> Result<()> {
+        ensure!(num_blocks > 0, "cannot run with 0 KV blocks");
+        self.kv_cache = Some(KvCache::allocate(
+            &self.backend,
+            self.model_config.num_hidden_layers,
+            num_blocks as usize,
+            self.cfg.block_size as usize,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+        )?);
+        tracing::info!(
+            num_blocks,
+            block_size = self.cfg.block_size,
+            "KV cache allocated"
+        );
+        Ok(())
+    }
+
+    /// Runs one step and samples a token for every request that completes its sequence.
+    pub fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
+        self.batch.update_states(so)?;
+        let mut output = ModelRunnerOutput {
+            step_id: so.step_id,
+            sampled: Vec::new(),
+        };
+        if so.is_empty() {
+            return Ok(output);
+        }
+        let cache = self
+            .kv_cache
+            .as_mut()
+            .context("execute_model before initialize_kv_cache")?;
+        let step = self.batch.prepare_inputs(so, cache.block_size)?;
+        if let Some(&slot) = step.inputs.slot_mapping.iter().max() {
+            ensure!(
+                (slot as usize) < cache.num_blocks * cache.block_size,
+                "slot {slot} outside the KV cache of {} blocks",
+                cache.num_blocks
+            );
+        }
+        let meta = self.backend.upload_step(&step.inputs)?;
+        let hidden = self.model.forward(&self.backend, &meta, cache)?;
+        if step.sampled_req_ids.is_empty() {
+            return Ok(output);
+        }
+        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
+        let mut logits = self.backend.to_host(&logits)?.data;
+        let reqs: Vec<SamplingRequest> = step
+            .sampled_req_ids
+            .iter()
+            .map(|id| {
+                let s = &self.batch.requests[id];
+                SamplingRequest {
+                    params: &s.sampling_params,
+                    prompt_token_ids: &s.prompt_token_ids,
+                    output_token_ids: &s.output_token_ids,
+                    eos_token_ids: &self.model_config.eos_token_ids,
+                }
+            })
+            .collect();
+        let sampled = self
+            .sampler
+            .sample(&mut logits, self.model_config.vocab_size, &reqs);
+        output.sampled = step
+            .sampled_req_ids
+            .iter()
+            .zip(sampled)
+            .map(|(req_id, (token_id, logprobs))| SampledToken {
+                req_id: req_id.clone(),
+                token_id,
+                logprobs,
+            })
+            .collect();
+        Ok(output)
+    }
+
+    /// Logits of the requests that complete in this step, without sampling (tests).
+    pub fn execute_logits(&mut self, so: &SchedulerOutput) -> Result<Vec<(String, Vec<f32>)>> {
+        self.batch.update_states(so)?;
+        let cache = self
+            .kv_cache
+            .as_mut()
+            .context("execute_logits before initialize_kv_cache")?;
+        let step = self.batch.prepare_inputs(so, cache.block_size)?;
+        let meta = self.backend.upload_step(&step.inputs)?;
+        let hidden = self.model.forward(&self.backend, &meta, cache)?;
+        let logits = self
+            .backend
+            .to_host(&self.model.compute_logits(&self.backend, &hidden, &meta)?)?
+            .data;
+        let vocab = self.model_config.vocab_size;
+        Ok(step
+            .sampled_req_ids
+            .into_iter()
+            .zip(logits.chunks_exact(vocab).map(<[f32]>::to_vec))
+            .collect())
+    }
+}

@@ -1,0 +1,290 @@
+//! The Llama-family decoder (Llama, Qwen2, Qwen3), written once against the `Backend`.
+//!
+//! embed → N × [input_layernorm → attention → post_attention_layernorm → MLP] → norm,
+//! with vLLM's residual handling: the residual stream is carried separately and added
+//! inside the fused add + RMSNorm. `forward` returns the final hidden states of every
+//! token; `compute_logits` runs the LM head on the rows the sampler needs.
+
+use anyhow::Result;
+
+use crate::backend::{Backend, StepMetadata};
+use crate::config::ModelConfig;
+use crate::kv_cache::KvCache;
+use crate::layers::activation::silu_and_mul;
+use crate::layers::attention::Attention;
+use crate::layers::embedding::{ParallelLMHead, VocabParallelEmbedding};
+use crate::layers::linear::{MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear};
+use crate::layers::norm::RmsNorm;
+use crate::layers::rotary::RotaryEmbedding;
+use crate::layers::TensorParallel;
+use crate::weights::Weights;
+
+/// What an architecture changes in the shared decoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecoderVariant {
+    /// q, k, v projections carry a bias (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on q and k before rotary (Qwen3).
+    pub qk_norm: bool,
+}
+
+/// Plain Llama: bias only if `attention_bias`, no q/k norm.
+pub fn variant(cfg: &ModelConfig) -> DecoderVariant {
+    DecoderVariant {
+        qkv_bias: cfg.attention_bias,
+        qk_norm: false,
+    }
+}
+
+struct LlamaAttention<B: Backend> {
+    qkv_proj: QKVParallelLinear<B>,
+    o_proj: RowParallelLinear<B>,
+    qk_norm: Option<(RmsNorm<B>, RmsNorm<B>)>,
+    attn: Attention,
+}
+
+impl<B: Backend> LlamaAttention<B> {
+    fn load(
+        b: &B,
+        w: &Weights,
+        cfg: &ModelConfig,
+        prefix: &str,
+        variant: DecoderVariant,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let (h, d) = (cfg.hidden_size, cfg.head_dim);
+        let qkv_proj = QKVParallelLinear::load(
+            b,
+            w,
+            prefix,
+            h,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+            variant.qkv_bias,
+            tp,
+        )?;
+        let o_proj = RowParallelLinear::load(
+            b,
+            w,
+            &format!("{prefix}.o_proj.weight"),
+            cfg.num_attention_heads * d,
+            h,
+            tp,
+        )?;
+        let qk_norm = if variant.qk_norm {
+            Some((
+                RmsNorm::load(
+                    b,
+                    w,
+                    &format!("{prefix}.q_norm.weight"),
+                    d,
+                    cfg.rms_norm_eps,
+                )?,
+                RmsNorm::load(
+                    b,
+                    w,
+                    &format!("{prefix}.k_norm.weight"),
+                    d,
+                    cfg.rms_norm_eps,
+                )?,
+            ))
+        } else {
+            None
+        };
+        let attn = Attention::new(qkv_proj.num_heads, qkv_proj.num_kv_heads, d);
+        Ok(Self {
+            qkv_proj,
+            o_proj,
+            qk_norm,
+            attn,
+        })
+    }
+
+    fn forward(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        rotary: &RotaryEmbedding<B>,
+        cache: &mut KvCache<B>,
+        layer: usize,
+        meta: &StepMetadata<B>,
+    ) -> Result<B::Tensor> {
+        let (mut q, mut k, v) = self.qkv_proj.forward(b, x)?;
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
+            q_norm.forward_per_head(b, &mut q)?;
+            k_norm.forward_per_head(b, &mut k)?;
+        }
+        rotary.forward(b, &meta.positions, &mut q, &mut k)?;
+        let block_size = cache.block_size;
+        let out = self
+            .attn
+            .forward(b, &q, &k, &v, &mut cache.layers[layer], block_size, meta)?;
+        self.o_proj.forward(b, &out)
+    }
+}
+
+struct LlamaMlp<B: Backend> {
+    gate_up_proj: MergedColumnParallelLinear<B>,
+    down_proj: RowParallelLinear<B>,
+}
+
+impl<B: Backend> LlamaMlp<B> {
+    fn load(
+        b: &B,
+        w: &Weights,
+        cfg: &ModelConfig,
+        prefix: &str,
+        tp: TensorParallel,
+    ) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let names = [
+            format!("{prefix}.gate_proj.weight"),
+            format!("{prefix}.up_proj.weight"),
+        ];
+        Ok(Self {
+            gate_up_proj: MergedColumnParallelLinear::load(b, w, &names, h, i, tp)?,
+            down_proj: RowParallelLinear::load(
+                b,
+                w,
+                &format!("{prefix}.down_proj.weight"),
+                i,
+                h,
+                tp,
+            )?,
+        })
+    }
+
+    fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let gate_up = self.gate_up_proj.forward(b, x)?;
+        self.down_proj.forward(b, &silu_and_mul(b, &gate_up)?)
+    }
+}
+
+struct LlamaDecoderLayer<B: Backend> {
+    input_layernorm: RmsNorm<B>,
+    self_attn: LlamaAttention<B>,
+    post_attention_layernorm: RmsNorm<B>,
+    mlp: LlamaMlp<B>,
+}
+
+pub struct LlamaForCausalLM<B: Backend> {
+    embed_tokens: VocabParallelEmbedding<B>,
+    layers: Vec<LlamaDecoderLayer<B>>,
+    norm: RmsNorm<B>,
+    lm_head: ParallelLMHead<B>,
+    rotary: RotaryEmbedding<B>,
+}
+
+impl<B: Backend> LlamaForCausalLM<B> {
+    /// Loads every weight of `cfg`'s model; `on_layer` is called after each decoder layer
+    /// (progress reporting). The rotary table covers positions `0..max_model_len`.
+    pub fn load(
+        b: &B,
+        weights: &Weights,
+        cfg: &ModelConfig,
+        variant: DecoderVariant,
+        tp: TensorParallel,
+        max_model_len: usize,
+        mut on_layer: impl FnMut(usize),
+    ) -> Result<Self> {
+        let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
+        let embed_tokens =
+            VocabParallelEmbedding::load(b, weights, "model.embed_tokens.weight", v, h, tp)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for n in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{n}");
+            layers.push(LlamaDecoderLayer {
+                input_layernorm: RmsNorm::load(
+                    b,
+                    weights,
+                    &format!("{p}.input_layernorm.weight"),
+                    h,
+                    eps,
+                )?,
+                self_attn: LlamaAttention::load(
+                    b,
+                    weights,
+                    cfg,
+                    &format!("{p}.self_attn"),
+                    variant,
+                    tp,
+                )?,
+                post_attention_layernorm: RmsNorm::load(
+                    b,
+                    weights,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                    eps,
+                )?,
+                mlp: LlamaMlp::load(b, weights, cfg, &format!("{p}.mlp"), tp)?,
+            });
+            on_layer(n);
+        }
+        let norm = RmsNorm::load(b, weights, "model.norm.weight", h, eps)?;
+        // Tied checkpoints usually omit lm_head.weight; some still ship it, and then it is
+        // the same tensor, so reading the embedding is correct either way.
+        let head_name = if cfg.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let lm_head = ParallelLMHead::load(b, weights, head_name, v, h, tp)?;
+        let rotary = RotaryEmbedding::new(b, cfg, max_model_len)?;
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary,
+        })
+    }
+
+    /// Final hidden states [num_tokens, hidden] of the step described by `meta`, writing
+    /// this step's K and V into `cache`.
+    pub fn forward(
+        &self,
+        b: &B,
+        meta: &StepMetadata<B>,
+        cache: &mut KvCache<B>,
+    ) -> Result<B::Tensor> {
+        let mut residual = self.embed_tokens.forward(b, &meta.input_ids)?;
+        let mut x: Option<B::Tensor> = None;
+        for (n, layer) in self.layers.iter().enumerate() {
+            let normed = match x.take() {
+                None => layer.input_layernorm.forward(b, &residual)?,
+                Some(mut h) => {
+                    layer
+                        .input_layernorm
+                        .forward_residual(b, &mut h, &mut residual)?;
+                    h
+                }
+            };
+            let mut h = layer
+                .self_attn
+                .forward(b, &normed, &self.rotary, cache, n, meta)?;
+            layer
+                .post_attention_layernorm
+                .forward_residual(b, &mut h, &mut residual)?;
+            x = Some(layer.mlp.forward(b, &h)?);
+        }
+        match x {
+            Some(mut h) => {
+                self.norm.forward_residual(b, &mut h, &mut residual)?;
+                Ok(h)
+            }
+            None => self.norm.forward(b, &residual),
+        }
+    }
+
+    /// Logits [rows, vocab] of the hidden rows selected by `meta.logits_indices`.
+    pub fn compute_logits(
+        &self,
+        b: &B,
+        hidden: &B::Tensor,
+        meta: &StepMetadata<B>,
+    ) -> Result<B::Tensor> {
+        let rows = b.gather_rows(hidden, &meta.logits_indices)?;
+        self.lm_head.forward(b, &rows)
+    }
+}

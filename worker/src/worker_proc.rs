@@ -1,0 +1,114 @@
+//! The worker process (`vllm-rs worker --rank R …`): connects to the engine-core, loads the
+//! model, reports its memory profile, allocates the KV cache when told how many blocks,
+//! then executes one `SchedulerOutput` after another. Only rank 0 answers with outputs.
+//!
+//! Any failure is sent to the engine-core as `WorkerEvent::Failed` with the reason, then
+//! the process exits non-zero: the engine-core turns that into a clear error for the user.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use vllm_protocol::{Register, WireMessage, WorkerEvent, WorkerInput, PROTOCOL_VERSION};
+use zeromq::{DealerSocket, PushSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::model_runner::{ModelRunner, WorkerConfig};
+
+/// Where the worker finds its engine-core and who it is.
+pub struct WorkerArgs {
+    pub rank: u32,
+    pub world_size: u32,
+    pub run_dir: PathBuf,
+    pub config: WorkerConfig,
+}
+
+/// Entry point of `vllm-rs worker`. Returns the process's exit code.
+pub async fn run_worker(args: WorkerArgs) -> anyhow::Result<i32> {
+    exit_when_parent_dies();
+    let mut sockets = Sockets::connect(&args.run_dir).await?;
+    sockets.send_dealer(&WorkerEvent::Register(Register { protocol_version: PROTOCOL_VERSION, rank: args.rank })).await?;
+    match serve(&args, &mut sockets).await {
+        Ok(()) => Ok(0),
+        Err(e) => {
+            let why = format!("worker rank {}: {e:#}", args.rank);
+            tracing::error!("{why}");
+            sockets.send(&WorkerEvent::Failed(why)).await?;
+            // Let the frame leave before the process (and its socket) goes away.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok(1)
+        }
+    }
+}
+
+async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
+    let mut runner = ModelRunner::load(&args.config)?;
+    sockets.send(&WorkerEvent::Profiled(runner.profile()?)).await?;
+    loop {
+        match sockets.recv().await? {
+            WorkerInput::InitializeKvCache(init) => {
+                runner.initialize_kv_cache(init.num_blocks)?;
+                sockets.send(&WorkerEvent::KvCacheReady(args.rank)).await?;
+            }
+            WorkerInput::Execute(so) => {
+                let out = runner.execute_model(&so).with_context(|| format!("step {}", so.step_id))?;
+                if args.rank == 0 {
+                    sockets.send(&WorkerEvent::Output(out)).await?;
+                }
+            }
+            WorkerInput::Shutdown(()) => return Ok(()),
+        }
+    }
+}
+
+/// The worker's two sockets: a DEALER that receives the engine-core's broadcasts and a PUSH
+/// for everything the worker reports.
+struct Sockets {
+    dealer: DealerSocket,
+    push: PushSocket,
+}
+
+impl Sockets {
+    async fn connect(run_dir: &Path) -> anyhow::Result<Self> {
+        let endpoint = |name: &str| format!("ipc://{}", run_dir.join(name).display());
+        let mut dealer = DealerSocket::new();
+        dealer.connect(&endpoint("worker-in.sock")).await.context("connecting to the engine-core")?;
+        let mut push = PushSocket::new();
+        push.connect(&endpoint("worker-out.sock")).await.context("connecting to the engine-core")?;
+        Ok(Self { dealer, push })
+    }
+
+    async fn send(&mut self, msg: &WorkerEvent) -> anyhow::Result<()> {
+        self.push.send(ZmqMessage::from(msg.encode()?)).await?;
+        Ok(())
+    }
+
+    async fn send_dealer(&mut self, msg: &WorkerEvent) -> anyhow::Result<()> {
+        self.dealer.send(ZmqMessage::from(msg.encode()?)).await?;
+        Ok(())
+    }
+
+    /// The next well-formed input; malformed frames are logged and dropped.
+    async fn recv(&mut self) -> anyhow::Result<WorkerInput> {
+        loop {
+            let message = self.dealer.recv().await?;
+            let Some(frame) = message.iter().last() else { continue };
+            match WorkerInput::decode(frame) {
+                Ok(msg) => return Ok(msg),
+                Err(e) => tracing::warn!("dropping malformed frame from the engine-core: {e}"),
+            }
+        }
+    }
+}
+
+/// Ends the worker when its engine-core dies, polling for re-parenting (see
+/// `vllm_engine_core::process::exit_when_parent_dies`, which the worker cannot link).
+fn exit_when_parent_dies() {
+    let parent = std::os::unix::process::parent_id();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(500));
+        if std::os::unix::process::parent_id() != parent {
+            eprintln!("worker: engine-core process {parent} is gone; exiting");
+            std::process::exit(1);
+        }
+    });
+}

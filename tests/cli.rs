@@ -11,16 +11,31 @@ fn generate_prints_a_completion() {
     let out = Command::new(exe())
         .args(["generate", "--model"])
         .arg(tiny_model())
-        .args(["--prompt", "Hello", "--max-tokens", "8", "--ignore-eos", "--temperature", "0"])
+        .args([
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+        ])
         .output()
         .expect("run generate");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
 }
 
 #[test]
 fn a_missing_model_is_a_one_line_error() {
-    let out = Command::new(exe()).args(["generate", "--model", "/no/such/model", "--prompt", "x"]).output().expect("run");
+    let out = Command::new(exe())
+        .args(["generate", "--model", "/no/such/model", "--prompt", "x"])
+        .output()
+        .expect("run");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no such model directory"), "{stderr}");
@@ -30,13 +45,22 @@ fn a_missing_model_is_a_one_line_error() {
 #[test]
 fn an_unsupported_architecture_is_reported_not_panicked() {
     let dir = tempfile::tempdir().expect("tempdir");
-    for f in ["tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ] {
         std::fs::copy(tiny_model().join(f), dir.path().join(f)).expect("copy");
     }
     let config = std::fs::read_to_string(tiny_model().join("config.json")).expect("config");
     let config = config.replace("Qwen3ForCausalLM", "MambaForCausalLM");
     std::fs::write(dir.path().join("config.json"), config).expect("write");
-    let out = Command::new(exe()).args(["generate", "--model"]).arg(dir.path()).args(["--prompt", "x"]).output().expect("run");
+    let out = Command::new(exe())
+        .args(["generate", "--model"])
+        .arg(dir.path())
+        .args(["--prompt", "x"])
+        .output()
+        .expect("run");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("MambaForCausalLM"), "{stderr}");

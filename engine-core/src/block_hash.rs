@@ -67,8 +67,14 @@ mod tests {
         let b = hash_block_tokens(None, &[1, 3]);
         assert_ne!(a, b);
         // Same block content, different parents: different hashes.
-        assert_ne!(hash_block_tokens(Some(a), &[5, 6]), hash_block_tokens(Some(b), &[5, 6]));
-        assert_eq!(hash_block_tokens(Some(a), &[5, 6]), hash_block_tokens(Some(a), &[5, 6]));
+        assert_ne!(
+            hash_block_tokens(Some(a), &[5, 6]),
+            hash_block_tokens(Some(b), &[5, 6])
+        );
+        assert_eq!(
+            hash_block_tokens(Some(a), &[5, 6]),
+            hash_block_tokens(Some(a), &[5, 6])
+        );
     }
 
     #[test]

@@ -26,10 +26,23 @@ use crate::transport::{ipc_endpoint, recv, send};
 pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
     crate::process::exit_when_parent_dies("engine-core");
     let mut input = DealerSocket::new();
-    input.connect(&ipc_endpoint(&cfg.run_dir, "input.sock")).await.context("connecting to the frontend")?;
+    input
+        .connect(&ipc_endpoint(&cfg.run_dir, "input.sock"))
+        .await
+        .context("connecting to the frontend")?;
     let mut output = PushSocket::new();
-    output.connect(&ipc_endpoint(&cfg.run_dir, "output.sock")).await.context("connecting to the frontend")?;
-    send(&mut input, &EngineCoreEvent::Register(Register { protocol_version: PROTOCOL_VERSION, rank: 0 })).await?;
+    output
+        .connect(&ipc_endpoint(&cfg.run_dir, "output.sock"))
+        .await
+        .context("connecting to the frontend")?;
+    send(
+        &mut input,
+        &EngineCoreEvent::Register(Register {
+            protocol_version: PROTOCOL_VERSION,
+            rank: 0,
+        }),
+    )
+    .await?;
 
     let (mut executor, ready) = match Executor::start(&cfg).await {
         Ok(started) => started,
@@ -41,12 +54,22 @@ pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
         }
     };
     let sc = scheduler_config(&cfg, &ready);
-    send(&mut output, &EngineCoreEvent::Ready(engine_ready(&sc, &ready))).await?;
+    send(
+        &mut output,
+        &EngineCoreEvent::Ready(engine_ready(&sc, &ready)),
+    )
+    .await?;
     let scheduler = Scheduler::new(sc);
 
     let (tx, inputs) = mpsc::channel(4096);
     tokio::spawn(forward_inputs(input, tx));
-    let mut core = EngineCore { scheduler, executor: &mut executor, inputs, output, step_id: 0 };
+    let mut core = EngineCore {
+        scheduler,
+        executor: &mut executor,
+        inputs,
+        output,
+        step_id: 0,
+    };
     let code = match core.run().await {
         Ok(()) => 0,
         Err(e) => {
@@ -60,7 +83,10 @@ pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
     Ok(code)
 }
 
-fn scheduler_config(cfg: &EngineCoreConfig, ready: &WorkersReady) -> crate::scheduler::SchedulerConfig {
+fn scheduler_config(
+    cfg: &EngineCoreConfig,
+    ready: &WorkersReady,
+) -> crate::scheduler::SchedulerConfig {
     let model_len = ready.profile.model.max_model_len;
     let mut sc = cfg.scheduler.clone();
     sc.max_model_len = cfg.max_model_len_override.unwrap_or(model_len);
@@ -155,7 +181,8 @@ impl EngineCore<'_> {
             EngineCoreInput::Add(req) => {
                 let id = req.request_id.clone();
                 if let Err(why) = self.scheduler.add_request(req) {
-                    self.push_outputs(vec![EngineCoreOutput::failed(id, why)]).await?;
+                    self.push_outputs(vec![EngineCoreOutput::failed(id, why)])
+                        .await?;
                 }
             }
             EngineCoreInput::Abort(ids) => {
@@ -174,14 +201,27 @@ impl EngineCore<'_> {
             UtilityMethod::GetStats => UtilityOutput::Stats(self.scheduler.stats()),
             UtilityMethod::ResetPrefixCache => match self.scheduler.reset_prefix_cache() {
                 true => UtilityOutput::Done,
-                false => UtilityOutput::Failed("blocks are still in use; the prefix cache was not reset".into()),
+                false => UtilityOutput::Failed(
+                    "blocks are still in use; the prefix cache was not reset".into(),
+                ),
             },
         };
-        send(&mut self.output, &EngineCoreEvent::Utility(UtilityResult { call_id: call.call_id, output })).await
+        send(
+            &mut self.output,
+            &EngineCoreEvent::Utility(UtilityResult {
+                call_id: call.call_id,
+                output,
+            }),
+        )
+        .await
     }
 
     async fn push_outputs(&mut self, outputs: Vec<EngineCoreOutput>) -> anyhow::Result<()> {
-        let msg = EngineCoreOutputs { outputs, scheduler_stats: Some(self.scheduler.stats()), timestamp: now() };
+        let msg = EngineCoreOutputs {
+            outputs,
+            scheduler_stats: Some(self.scheduler.stats()),
+            timestamp: now(),
+        };
         send(&mut self.output, &EngineCoreEvent::Outputs(msg)).await
     }
 
@@ -194,5 +234,8 @@ impl EngineCore<'_> {
 }
 
 pub fn now() -> f64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }

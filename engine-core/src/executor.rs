@@ -44,14 +44,21 @@ impl Executor {
     /// Starts the workers and runs the handshake: register, profile, allocate the KV cache.
     pub async fn start(cfg: &EngineCoreConfig) -> anyhow::Result<(Self, WorkersReady)> {
         let mut router = RouterSocket::new();
-        router.bind(&ipc_endpoint(&cfg.run_dir, "worker-in.sock")).await?;
+        router
+            .bind(&ipc_endpoint(&cfg.run_dir, "worker-in.sock"))
+            .await?;
         let mut pull = PullSocket::new();
-        pull.bind(&ipc_endpoint(&cfg.run_dir, "worker-out.sock")).await?;
+        pull.bind(&ipc_endpoint(&cfg.run_dir, "worker-out.sock"))
+            .await?;
 
         let mut workers = Vec::new();
         for rank in 0..cfg.world_size {
             let args = worker_args(cfg, rank);
-            workers.push(ChildProcess::spawn(format!("worker rank {rank}"), &cfg.exe, &args)?);
+            workers.push(ChildProcess::spawn(
+                format!("worker rank {rank}"),
+                &cfg.exe,
+                &args,
+            )?);
         }
         let workers = std::sync::Arc::new(tokio::sync::Mutex::new(workers));
         let (tx, events) = mpsc::channel(1024);
@@ -59,7 +66,12 @@ impl Executor {
         spawn_forwarders(&tx, pull, from_router);
         spawn_watcher(tx, workers.clone());
 
-        let mut executor = Self { to_workers, identities: Vec::new(), events, workers };
+        let mut executor = Self {
+            to_workers,
+            identities: Vec::new(),
+            events,
+            workers,
+        };
         let ready = executor.handshake(cfg).await?;
         Ok((executor, ready))
     }
@@ -77,26 +89,39 @@ impl Executor {
                             reg.rank, reg.protocol_version, PROTOCOL_VERSION
                         );
                     }
-                    let slot = identities.get_mut(reg.rank as usize).context("worker registered with an unknown rank")?;
+                    let slot = identities
+                        .get_mut(reg.rank as usize)
+                        .context("worker registered with an unknown rank")?;
                     *slot = Some(id);
                 }
                 ExecutorEvent::Worker(WorkerEvent::Profiled(p)) => {
                     let rank = p.rank as usize;
-                    *profiles.get_mut(rank).context("profile from an unknown rank")? = Some(p);
+                    *profiles
+                        .get_mut(rank)
+                        .context("profile from an unknown rank")? = Some(p);
                 }
-                ExecutorEvent::Worker(other) => tracing::warn!("unexpected worker message at startup: {other:?}"),
+                ExecutorEvent::Worker(other) => {
+                    tracing::warn!("unexpected worker message at startup: {other:?}")
+                }
                 ExecutorEvent::Died(_) => unreachable!("next_event turns deaths into errors"),
             }
         }
         self.identities = identities.into_iter().flatten().collect();
         let profiles: Vec<WorkerProfile> = profiles.into_iter().flatten().collect();
-        let num_gpu_blocks = cfg
-            .num_gpu_blocks_override
-            .unwrap_or_else(|| profiles.iter().map(|p| p.num_available_blocks).min().unwrap_or(0));
+        let num_gpu_blocks = cfg.num_gpu_blocks_override.unwrap_or_else(|| {
+            profiles
+                .iter()
+                .map(|p| p.num_available_blocks)
+                .min()
+                .unwrap_or(0)
+        });
         if num_gpu_blocks == 0 {
             bail!("no memory is left for the KV cache after loading the model: lower --max-model-len or --max-num-batched-tokens, or raise the memory budget");
         }
-        self.broadcast(&WorkerInput::InitializeKvCache(InitializeKvCache { num_blocks: num_gpu_blocks })).await?;
+        self.broadcast(&WorkerInput::InitializeKvCache(InitializeKvCache {
+            num_blocks: num_gpu_blocks,
+        }))
+        .await?;
         let mut ready = 0;
         while ready < n {
             match self.next_event().await? {
@@ -105,18 +130,29 @@ impl Executor {
             }
         }
         let profile = profiles.into_iter().next().context("no worker ranks")?;
-        Ok(WorkersReady { profile, num_gpu_blocks })
+        Ok(WorkersReady {
+            profile,
+            num_gpu_blocks,
+        })
     }
 
     /// Runs one step on every rank and returns rank 0's output.
-    pub async fn execute_model(&mut self, so: SchedulerOutput) -> anyhow::Result<ModelRunnerOutput> {
+    pub async fn execute_model(
+        &mut self,
+        so: SchedulerOutput,
+    ) -> anyhow::Result<ModelRunnerOutput> {
         let step_id = so.step_id;
         self.broadcast(&WorkerInput::Execute(so)).await?;
         loop {
             match self.next_event().await? {
-                ExecutorEvent::Worker(WorkerEvent::Output(out)) if out.step_id == step_id => return Ok(out),
+                ExecutorEvent::Worker(WorkerEvent::Output(out)) if out.step_id == step_id => {
+                    return Ok(out)
+                }
                 ExecutorEvent::Worker(WorkerEvent::Output(out)) => {
-                    tracing::warn!("dropping stale output of step {} (waiting for {step_id})", out.step_id)
+                    tracing::warn!(
+                        "dropping stale output of step {} (waiting for {step_id})",
+                        out.step_id
+                    )
                 }
                 _ => tracing::warn!("unexpected worker message during a step"),
             }
@@ -188,7 +224,11 @@ fn worker_args(cfg: &EngineCoreConfig, rank: u32) -> Vec<String> {
 }
 
 /// Forwards the PULL socket's events and the ROUTER's registrations into one channel.
-fn spawn_forwarders(tx: &mpsc::Sender<ExecutorEvent>, mut pull: PullSocket, mut router: RouterRecvHalf) {
+fn spawn_forwarders(
+    tx: &mpsc::Sender<ExecutorEvent>,
+    mut pull: PullSocket,
+    mut router: RouterRecvHalf,
+) {
     let pull_tx = tx.clone();
     tokio::spawn(async move {
         while let Ok(event) = recv::<_, WorkerEvent>(&mut pull, "worker-out").await {
@@ -212,14 +252,24 @@ fn spawn_forwarders(tx: &mpsc::Sender<ExecutorEvent>, mut pull: PullSocket, mut 
 }
 
 /// Polls the worker processes; the first one found dead is reported once.
-fn spawn_watcher(tx: mpsc::Sender<ExecutorEvent>, workers: std::sync::Arc<tokio::sync::Mutex<Vec<ChildProcess>>>) {
+fn spawn_watcher(
+    tx: mpsc::Sender<ExecutorEvent>,
+    workers: std::sync::Arc<tokio::sync::Mutex<Vec<ChildProcess>>>,
+) {
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
             let mut workers = workers.lock().await;
             if let Some(dead) = workers.iter_mut().find_map(|w| {
                 let pid = w.pid();
-                w.try_wait().map(|status| format!("{} (pid {}) died: {}", w.name, pid.unwrap_or(0), describe_exit(status)))
+                w.try_wait().map(|status| {
+                    format!(
+                        "{} (pid {}) died: {}",
+                        w.name,
+                        pid.unwrap_or(0),
+                        describe_exit(status)
+                    )
+                })
             }) {
                 let _ = tx.send(ExecutorEvent::Died(dead)).await;
                 return;

@@ -151,10 +151,18 @@ impl KvCacheManager {
         self.block_pool.touch(new_computed_blocks);
         let Some(new_blocks) = self.block_pool.get_new_blocks(num_new_blocks) else {
             // Unreachable after the check above; undo the touch rather than leak.
-            self.block_pool.free_blocks(new_computed_blocks.iter().rev().copied());
+            self.block_pool
+                .free_blocks(new_computed_blocks.iter().rev().copied());
             return false;
         };
-        let entry = self.req_to_blocks.entry(request_id.to_string()).or_default();
+        // Look up before inserting: `entry()` would allocate the key on every call.
+        if !self.req_to_blocks.contains_key(request_id) {
+            self.req_to_blocks
+                .insert(request_id.to_string(), RequestBlocks::default());
+        }
+        let Some(entry) = self.req_to_blocks.get_mut(request_id) else {
+            return false;
+        };
         if entry.block_table.is_empty() {
             entry.num_cached_blocks = new_computed_blocks.len();
         }

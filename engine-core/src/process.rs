@@ -23,7 +23,10 @@ impl ChildProcess {
     /// logs reach the user.
     pub fn spawn(name: String, exe: &Path, args: &[String]) -> anyhow::Result<Self> {
         let mut cmd = Command::new(exe);
-        cmd.args(args).process_group(0).kill_on_drop(true).stdin(std::process::Stdio::null());
+        cmd.args(args)
+            .process_group(0)
+            .kill_on_drop(true)
+            .stdin(std::process::Stdio::null());
         let child = cmd
             .spawn()
             .map_err(|e| anyhow::anyhow!("cannot start {name} ({}): {e}", exe.display()))?;

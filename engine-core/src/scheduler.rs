@@ -13,8 +13,8 @@ mod request_queue;
 use std::collections::HashMap;
 
 use vllm_protocol::{
-    CachedRequestData, EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput,
-    NewRequestData, SampledToken, SchedulerOutput, SchedulerStats,
+    CachedRequestData, EngineCoreOutput, EngineCoreRequest, ModelRunnerOutput, NewRequestData,
+    SampledToken, SchedulerOutput, SchedulerStats,
 };
 
 pub use config::{SchedulerConfig, SchedulingPolicy};
@@ -355,14 +355,10 @@ impl Scheduler {
         so: &SchedulerOutput,
         out: &ModelRunnerOutput,
     ) -> Vec<EngineCoreOutput> {
-        let sampled: HashMap<&str, &SampledToken> = out
-            .sampled
-            .iter()
-            .map(|s| (s.req_id.as_str(), s))
-            .collect();
+        let mut sampled = SampledLookup::new(&out.sampled);
         let hash_block_size = self.hash_block_size();
         let max_model_len = self.config.max_model_len;
-        let mut outputs = Vec::with_capacity(sampled.len());
+        let mut outputs = Vec::with_capacity(out.sampled.len());
         let mut finished = Vec::new();
         for (id, _) in &so.num_scheduled_tokens {
             let Some(req) = self.requests.get_mut(id) else {
@@ -372,15 +368,12 @@ impl Scheduler {
                 continue;
             }
             // The step wrote these tokens' KV: their full blocks may now serve hits.
-            self.kv_cache_manager.cache_blocks(
-                id,
-                &req.block_hashes,
-                req.num_computed_tokens,
-            );
+            self.kv_cache_manager
+                .cache_blocks(id, &req.block_hashes, req.num_computed_tokens);
             if req.num_computed_tokens < req.num_tokens() {
                 continue; // a partial prefill chunk samples nothing
             }
-            let Some(token) = sampled.get(id.as_str()) else {
+            let Some(token) = sampled.get(id) else {
                 // The runner owed a token and sent none: recompute the last position
                 // next step rather than leave the request stuck.
                 req.num_computed_tokens -= 1;
@@ -496,13 +489,23 @@ impl Scheduler {
             return Err("more running requests than max_num_seqs".into());
         }
         for id in &self.running {
-            let req = self.requests.get(id).ok_or(format!("running {id} unknown"))?;
+            let req = self
+                .requests
+                .get(id)
+                .ok_or(format!("running {id} unknown"))?;
             if req.status != RequestStatus::Running {
                 return Err(format!("running {id} has status {:?}", req.status));
             }
             let held = self.block_ids(id).len() as u32;
-            if held < self.kv_cache_manager.blocks_for_tokens(req.num_computed_tokens) {
-                return Err(format!("{id} holds {held} blocks for {} tokens", req.num_computed_tokens));
+            if held
+                < self
+                    .kv_cache_manager
+                    .blocks_for_tokens(req.num_computed_tokens)
+            {
+                return Err(format!(
+                    "{id} holds {held} blocks for {} tokens",
+                    req.num_computed_tokens
+                ));
             }
         }
         for id in self.waiting.ids() {
@@ -521,6 +524,38 @@ impl Scheduler {
             return Err("no request left but blocks are still held".into());
         }
         Ok(())
+    }
+}
+
+/// Finds each request's sampled token. Rank 0 answers in batch order, so a cursor finds
+/// each one in O(1); a map is built only if the order ever differs.
+struct SampledLookup<'a> {
+    sampled: &'a [SampledToken],
+    cursor: usize,
+    by_id: Option<HashMap<&'a str, &'a SampledToken>>,
+}
+
+impl<'a> SampledLookup<'a> {
+    fn new(sampled: &'a [SampledToken]) -> Self {
+        Self {
+            sampled,
+            cursor: 0,
+            by_id: None,
+        }
+    }
+
+    fn get(&mut self, req_id: &str) -> Option<&'a SampledToken> {
+        if let Some(s) = self.sampled.get(self.cursor) {
+            if s.req_id == req_id {
+                self.cursor += 1;
+                return Some(s);
+            }
+        }
+        let sampled = self.sampled;
+        self.by_id
+            .get_or_insert_with(|| sampled.iter().map(|s| (s.req_id.as_str(), s)).collect())
+            .get(req_id)
+            .copied()
     }
 }
 

@@ -15,7 +15,10 @@ pub fn ipc_endpoint(run_dir: &Path, name: &str) -> String {
 }
 
 /// Encodes `msg` as one frame and sends it.
-pub async fn send<S: SocketSend + ?Sized, M: WireMessage>(socket: &mut S, msg: &M) -> anyhow::Result<()> {
+pub async fn send<S: SocketSend + ?Sized, M: WireMessage>(
+    socket: &mut S,
+    msg: &M,
+) -> anyhow::Result<()> {
     let frame = msg.encode()?;
     socket.send(ZmqMessage::from(frame)).await?;
     Ok(())
@@ -35,10 +38,15 @@ pub async fn send_to<S: SocketSend + ?Sized, M: WireMessage>(
 
 /// Receives the next well-formed message. Malformed frames are logged and skipped; an error
 /// means the socket itself failed.
-pub async fn recv<S: SocketRecv + ?Sized, M: WireMessage>(socket: &mut S, what: &str) -> anyhow::Result<M> {
+pub async fn recv<S: SocketRecv + ?Sized, M: WireMessage>(
+    socket: &mut S,
+    what: &str,
+) -> anyhow::Result<M> {
     loop {
         let message = socket.recv().await?;
-        let Some(frame) = message.iter().last() else { continue };
+        let Some(frame) = message.iter().last() else {
+            continue;
+        };
         match M::decode(frame) {
             Ok(msg) => return Ok(msg),
             Err(e) => tracing::warn!("dropping malformed frame on {what}: {e}"),
@@ -53,7 +61,9 @@ pub async fn recv_from<S: SocketRecv + ?Sized, M: WireMessage>(
 ) -> anyhow::Result<(Bytes, M)> {
     loop {
         let message = socket.recv().await?;
-        let (Some(peer), Some(frame)) = (message.get(0), message.iter().last()) else { continue };
+        let (Some(peer), Some(frame)) = (message.get(0), message.iter().last()) else {
+            continue;
+        };
         if message.len() < 2 {
             tracing::warn!("dropping frame without identity on {what}");
             continue;

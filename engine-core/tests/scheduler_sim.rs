@@ -15,7 +15,11 @@ fn budget_and_sequence_cap_hold_every_step() {
     cfg.max_num_batched_tokens = 50;
     let mut h = Harness::new(cfg);
     for i in 0..10 {
-        h.add(request(&format!("r{i}"), prompt(i, 20 + 7 * i), params(5 + i)));
+        h.add(request(
+            &format!("r{i}"),
+            prompt(i, 20 + 7 * i),
+            params(5 + i),
+        ));
     }
     h.run_to_completion(500);
     for i in 0..10 {
@@ -40,7 +44,11 @@ fn long_prompt_is_chunked_and_interleaved_with_decodes() {
     h.step(); // the four short prompts prefill together (32 tokens)
     h.add(request("long", prompt(9, 300), params(3)));
     let mut chunks = Vec::new();
-    while h.sched.request("long").is_some_and(|r| r.num_output_tokens() == 0) {
+    while h
+        .sched
+        .request("long")
+        .is_some_and(|r| r.num_output_tokens() == 0)
+    {
         let so = h.step();
         // Every running decode gets its token in every step of the long prefill.
         for i in 0..4 {
@@ -67,7 +75,10 @@ fn long_prefill_token_threshold_caps_each_chunk() {
     h.add(request("a", prompt(1, 100), params(2)));
     h.add(request("b", prompt(2, 100), params(2)));
     let so = h.step();
-    assert_eq!(so.num_scheduled_tokens, vec![("a".into(), 24), ("b".into(), 24)]);
+    assert_eq!(
+        so.num_scheduled_tokens,
+        vec![("a".into(), 24), ("b".into(), 24)]
+    );
     h.run_to_completion(100);
     h.assert_pool_free();
 }
@@ -86,7 +97,10 @@ fn without_chunked_prefill_a_prompt_waits_for_a_step_it_fits_in() {
     // a decodes (1 token); b's 30 tokens fit in the remaining 39.
     assert_eq!(so.num_scheduled_tokens.len(), 2);
     assert!(so.num_scheduled_tokens.contains(&("b".into(), 30)));
-    let err = h.sched.add_request(request("c", prompt(3, 41), params(1))).unwrap_err();
+    let err = h
+        .sched
+        .add_request(request("c", prompt(3, 41), params(1)))
+        .unwrap_err();
     assert!(err.contains("41") && err.contains("40"), "{err}");
     h.run_to_completion(100);
     h.assert_pool_free();
@@ -248,7 +262,8 @@ fn abort_mid_prefill_and_mid_decode_frees_blocks() {
     h.step();
     assert!(h.sched.request("prefill").unwrap().num_computed_tokens < 40);
     assert!(!h.sched.block_ids("prefill").is_empty());
-    h.sched.abort_requests(&["prefill".to_string(), "unknown".to_string()]);
+    h.sched
+        .abort_requests(&["prefill".to_string(), "unknown".to_string()]);
     h.sched.check_invariants().unwrap();
     assert_eq!(h.sched.stats().num_free_blocks, 64);
 
@@ -273,7 +288,10 @@ fn abort_mid_prefill_and_mid_decode_frees_blocks() {
 #[test]
 fn stop_conditions() {
     let eos_at = |n: usize| move |_: &str, pos: usize| if pos == n { EOS } else { 77 };
-    let run = |p: SamplingParams, prompt_len: u32, max_model_len: u32, sample: &mut dyn FnMut(&str, usize) -> u32| {
+    let run = |p: SamplingParams,
+               prompt_len: u32,
+               max_model_len: u32,
+               sample: &mut dyn FnMut(&str, usize) -> u32| {
         let mut cfg = config(64, 4);
         cfg.max_model_len = max_model_len;
         let mut h = Harness::new(cfg);
@@ -285,36 +303,70 @@ fn stop_conditions() {
         let fin = h.finish_of("r").unwrap().clone();
         (h.tokens_of("r"), fin)
     };
-    let base = SamplingParams { max_tokens: 10, ..SamplingParams::default() };
+    let base = SamplingParams {
+        max_tokens: 10,
+        ..SamplingParams::default()
+    };
 
     // eos at the 3rd output token (position prompt_len + 2).
     let (toks, fin) = run(base.clone(), 4, 256, &mut eos_at(6));
-    assert_eq!((toks.len(), fin.finish_reason, fin.stop_reason), (3, Some(FinishReason::Stop), None));
+    assert_eq!(
+        (toks.len(), fin.finish_reason, fin.stop_reason),
+        (3, Some(FinishReason::Stop), None)
+    );
     assert_eq!(*toks.last().unwrap(), EOS);
 
     // ignore_eos runs to max_tokens.
-    let p = SamplingParams { ignore_eos: true, ..base.clone() };
+    let p = SamplingParams {
+        ignore_eos: true,
+        ..base.clone()
+    };
     let (toks, fin) = run(p, 4, 256, &mut eos_at(6));
-    assert_eq!((toks.len(), fin.finish_reason), (10, Some(FinishReason::Length)));
+    assert_eq!(
+        (toks.len(), fin.finish_reason),
+        (10, Some(FinishReason::Length))
+    );
 
     // stop_token_ids report the id.
-    let p = SamplingParams { stop_token_ids: vec![77], ..base.clone() };
+    let p = SamplingParams {
+        stop_token_ids: vec![77],
+        ..base.clone()
+    };
     let (toks, fin) = run(p, 4, 256, &mut eos_at(100));
-    assert_eq!((toks.len(), fin.finish_reason, fin.stop_reason), (1, Some(FinishReason::Stop), Some(77)));
+    assert_eq!(
+        (toks.len(), fin.finish_reason, fin.stop_reason),
+        (1, Some(FinishReason::Stop), Some(77))
+    );
 
     // min_tokens holds back eos and stop ids.
-    let p = SamplingParams { min_tokens: 5, stop_token_ids: vec![77], ..base.clone() };
+    let p = SamplingParams {
+        min_tokens: 5,
+        stop_token_ids: vec![77],
+        ..base.clone()
+    };
     let (toks, fin) = run(p, 4, 256, &mut eos_at(6));
-    assert_eq!((toks.len(), fin.finish_reason, fin.stop_reason), (5, Some(FinishReason::Stop), Some(77)));
+    assert_eq!(
+        (toks.len(), fin.finish_reason, fin.stop_reason),
+        (5, Some(FinishReason::Stop), Some(77))
+    );
 
     // max_tokens.
     let (toks, fin) = run(base.clone(), 4, 256, &mut eos_at(100));
-    assert_eq!((toks.len(), fin.finish_reason), (10, Some(FinishReason::Length)));
+    assert_eq!(
+        (toks.len(), fin.finish_reason),
+        (10, Some(FinishReason::Length))
+    );
 
     // max_model_len: 4 prompt tokens, model length 7 → 3 tokens, even under min_tokens.
-    let p = SamplingParams { min_tokens: 10, ..base.clone() };
+    let p = SamplingParams {
+        min_tokens: 10,
+        ..base.clone()
+    };
     let (toks, fin) = run(p, 4, 7, &mut eos_at(100));
-    assert_eq!((toks.len(), fin.finish_reason), (3, Some(FinishReason::Length)));
+    assert_eq!(
+        (toks.len(), fin.finish_reason),
+        (3, Some(FinishReason::Length))
+    );
 }
 
 #[test]
@@ -324,14 +376,27 @@ fn add_request_refuses_what_can_never_run() {
     let mut s = Scheduler::new(cfg);
     let err = s.add_request(request("e", vec![], params(1))).unwrap_err();
     assert!(err.contains("empty"), "{err}");
-    let err = s.add_request(request("l", prompt(1, 32), params(1))).unwrap_err();
-    assert!(err.starts_with("This model's maximum context length is 32 tokens."), "{err}");
+    let err = s
+        .add_request(request("l", prompt(1, 32), params(1)))
+        .unwrap_err();
+    assert!(
+        err.starts_with("This model's maximum context length is 32 tokens."),
+        "{err}"
+    );
     assert!(err.contains("32 tokens in the prompt"), "{err}");
-    let err = s.add_request(request("p", prompt(1, 10), params(10))).unwrap_err();
-    assert!(err.contains("20 tokens") && err.contains("16 tokens"), "{err}");
+    let err = s
+        .add_request(request("p", prompt(1, 10), params(10)))
+        .unwrap_err();
+    assert!(
+        err.contains("20 tokens") && err.contains("16 tokens"),
+        "{err}"
+    );
     // 10 + 7 = 17 tokens: the last is never computed, so 16 slots suffice.
-    s.add_request(request("ok", prompt(1, 10), params(7))).unwrap();
-    let err = s.add_request(request("ok", prompt(1, 3), params(1))).unwrap_err();
+    s.add_request(request("ok", prompt(1, 10), params(7)))
+        .unwrap();
+    let err = s
+        .add_request(request("ok", prompt(1, 3), params(1)))
+        .unwrap_err();
     assert!(err.contains("already in use"), "{err}");
     assert_eq!(s.stats().num_waiting_reqs, 1);
 }
@@ -346,8 +411,10 @@ fn fail_all_fails_everyone_and_frees_the_pool() {
     h.step();
     let outs = h.sched.fail_all("worker 0 died");
     assert_eq!(outs.len(), 20);
-    assert!(outs.iter().all(|o| o.finish_reason == Some(FinishReason::Error)
-        && o.error.as_deref() == Some("worker 0 died")));
+    assert!(outs
+        .iter()
+        .all(|o| o.finish_reason == Some(FinishReason::Error)
+            && o.error.as_deref() == Some("worker 0 died")));
     h.sched.check_invariants().unwrap();
     h.assert_pool_free();
 }
@@ -358,7 +425,10 @@ fn stats_and_reset_prefix_cache() {
     h.add(request("a", prompt(1, 12), params(100)));
     h.step();
     let s = h.sched.stats();
-    assert_eq!((s.num_running_reqs, s.num_waiting_reqs, s.num_total_blocks), (1, 0, 32));
+    assert_eq!(
+        (s.num_running_reqs, s.num_waiting_reqs, s.num_total_blocks),
+        (1, 0, 32)
+    );
     assert_eq!(s.num_free_blocks, 29);
     assert!((s.kv_cache_usage - 3.0 / 32.0).abs() < 1e-6);
     h.sched.abort_requests(&["a".to_string()]);

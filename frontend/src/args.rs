@@ -86,7 +86,9 @@ impl EngineArgs {
     pub fn resolved_device(&self) -> anyhow::Result<&'static str> {
         match self.device {
             Device::Auto | Device::Cpu => Ok("cpu"),
-            Device::Cuda => bail!("--device cuda: this build has no CUDA backend yet; use --device cpu"),
+            Device::Cuda => {
+                bail!("--device cuda: this build has no CUDA backend yet; use --device cpu")
+            }
         }
     }
 
@@ -110,7 +112,10 @@ impl EngineArgs {
             bail!("--block-size must be in 1..=256, got {}", self.block_size);
         }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
-            bail!("--gpu-memory-utilization must be in (0, 1], got {}", self.gpu_memory_utilization);
+            bail!(
+                "--gpu-memory-utilization must be in (0, 1], got {}",
+                self.gpu_memory_utilization
+            );
         }
         if self.max_num_seqs == Some(0) || self.max_num_batched_tokens == Some(0) {
             bail!("--max-num-seqs and --max-num-batched-tokens must be at least 1");
@@ -127,7 +132,10 @@ impl EngineArgs {
             "cpu" => (64, 2048),
             _ => (256, 8192),
         };
-        Ok((self.max_num_seqs.unwrap_or(seqs), self.max_num_batched_tokens.unwrap_or(tokens)))
+        Ok((
+            self.max_num_seqs.unwrap_or(seqs),
+            self.max_num_batched_tokens.unwrap_or(tokens),
+        ))
     }
 
     fn worker_config(&self) -> anyhow::Result<WorkerConfig> {

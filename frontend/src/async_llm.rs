@@ -28,7 +28,11 @@ impl AsyncLLM {
         let tokenizer = Tokenizer::from_model_dir(&args.model)?;
         let eos_token_ids = eos_token_ids(&args.model, &tokenizer);
         let client = EngineCoreClient::start(args.engine_core_config(vllm_rs_exe()?)?).await?;
-        Ok(Self { client, tokenizer, eos_token_ids })
+        Ok(Self {
+            client,
+            tokenizer,
+            eos_token_ids,
+        })
     }
 
     pub fn max_model_len(&self) -> u32 {
@@ -66,11 +70,17 @@ impl AsyncLLM {
 fn eos_token_ids(model_dir: &Path, tokenizer: &Tokenizer) -> Vec<u32> {
     let mut ids: Vec<u32> = tokenizer.eos_token_id().into_iter().collect();
     for file in ["config.json", "generation_config.json"] {
-        let Ok(text) = std::fs::read_to_string(model_dir.join(file)) else { continue };
-        let Ok(json) = serde_json::from_str::<serde_json::Value>(&text).context(file) else { continue };
+        let Ok(text) = std::fs::read_to_string(model_dir.join(file)) else {
+            continue;
+        };
+        let Ok(json) = serde_json::from_str::<serde_json::Value>(&text).context(file) else {
+            continue;
+        };
         match &json["eos_token_id"] {
             serde_json::Value::Number(n) => ids.extend(n.as_u64().map(|v| v as u32)),
-            serde_json::Value::Array(list) => ids.extend(list.iter().filter_map(|v| v.as_u64()).map(|v| v as u32)),
+            serde_json::Value::Array(list) => {
+                ids.extend(list.iter().filter_map(|v| v.as_u64()).map(|v| v as u32))
+            }
             _ => {}
         }
     }

@@ -8,7 +8,11 @@ use clap::{Parser, Subcommand};
 use crate::args::EngineArgs;
 
 #[derive(Debug, Parser)]
-#[command(name = "vllm-rs", version, about = "LLM inference and serving with an OpenAI-compatible API")]
+#[command(
+    name = "vllm-rs",
+    version,
+    about = "LLM inference and serving with an OpenAI-compatible API"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

@@ -19,8 +19,8 @@ use vllm_engine_core::config::EngineCoreConfig;
 use vllm_engine_core::process::{describe_exit, ChildProcess};
 use vllm_engine_core::transport::{ipc_endpoint, recv, recv_from, send_to};
 use vllm_protocol::{
-    EngineCoreEvent, EngineCoreInput, EngineCoreOutput, EngineCoreRequest, EngineReady, SchedulerStats,
-    UtilityCall, UtilityMethod, UtilityOutput, PROTOCOL_VERSION,
+    EngineCoreEvent, EngineCoreInput, EngineCoreOutput, EngineCoreRequest, EngineReady,
+    SchedulerStats, UtilityCall, UtilityMethod, UtilityOutput, PROTOCOL_VERSION,
 };
 use zeromq::{PullSocket, RouterSocket, Socket};
 
@@ -69,8 +69,13 @@ impl RequestStream {
     pub fn abort(&mut self) {
         if !self.finished {
             self.finished = true;
-            self.routes.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.request_id);
-            let _ = self.to_engine.send(EngineCoreInput::Abort(vec![self.request_id.clone()]));
+            self.routes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.request_id);
+            let _ = self
+                .to_engine
+                .send(EngineCoreInput::Abort(vec![self.request_id.clone()]));
         }
     }
 }
@@ -85,14 +90,24 @@ impl EngineCoreClient {
     /// Starts the engine-core (which starts the workers) and waits until it is ready.
     /// `config.run_dir` is replaced by a fresh private directory.
     pub async fn start(mut config: EngineCoreConfig) -> anyhow::Result<Self> {
-        let run_dir = tempfile::Builder::new().prefix("vllm-rs-").tempdir().context("creating the run directory")?;
+        let run_dir = tempfile::Builder::new()
+            .prefix("vllm-rs-")
+            .tempdir()
+            .context("creating the run directory")?;
         config.run_dir = run_dir.path().to_path_buf();
         let mut router = RouterSocket::new();
-        router.bind(&ipc_endpoint(run_dir.path(), "input.sock")).await?;
+        router
+            .bind(&ipc_endpoint(run_dir.path(), "input.sock"))
+            .await?;
         let mut pull = PullSocket::new();
-        pull.bind(&ipc_endpoint(run_dir.path(), "output.sock")).await?;
+        pull.bind(&ipc_endpoint(run_dir.path(), "output.sock"))
+            .await?;
 
-        let args = vec!["engine-core".to_string(), "--config-json".to_string(), serde_json::to_string(&config)?];
+        let args = vec![
+            "engine-core".to_string(),
+            "--config-json".to_string(),
+            serde_json::to_string(&config)?,
+        ];
         let mut engine = ChildProcess::spawn("engine-core".into(), &config.exe, &args)?;
         let engine_id = tokio::select! {
             id = register(&mut router) => id?,
@@ -104,7 +119,11 @@ impl EngineCoreClient {
         };
         tracing::info!(
             "engine ready: {} on {}, {} KV blocks of {} tokens, max model len {}",
-            ready.model.architecture, ready.device, ready.num_gpu_blocks, ready.block_size, ready.max_model_len
+            ready.model.architecture,
+            ready.device,
+            ready.num_gpu_blocks,
+            ready.block_size,
+            ready.max_model_len
         );
 
         let (to_engine, from_client) = mpsc::unbounded_channel();
@@ -123,8 +142,18 @@ impl EngineCoreClient {
             _run_dir: run_dir,
         };
         let dead_tx = Arc::new(dead_tx);
-        tokio::spawn(dispatch_outputs(pull, client.routes.clone(), client.pending_calls.clone(), client.stats.clone(), dead_tx.clone()));
-        tokio::spawn(watch_engine(client.engine.clone(), client.routes.clone(), dead_tx));
+        tokio::spawn(dispatch_outputs(
+            pull,
+            client.routes.clone(),
+            client.pending_calls.clone(),
+            client.stats.clone(),
+            dead_tx.clone(),
+        ));
+        tokio::spawn(watch_engine(
+            client.engine.clone(),
+            client.routes.clone(),
+            dead_tx,
+        ));
         Ok(client)
     }
 
@@ -136,8 +165,16 @@ impl EngineCoreClient {
         let (tx, rx) = mpsc::unbounded_channel();
         let request_id = req.request_id.clone();
         lock(&self.routes).insert(request_id.clone(), tx);
-        self.to_engine.send(EngineCoreInput::Add(req)).map_err(|_| anyhow!("the engine is gone"))?;
-        Ok(RequestStream { request_id, rx, finished: false, to_engine: self.to_engine.clone(), routes: self.routes.clone() })
+        self.to_engine
+            .send(EngineCoreInput::Add(req))
+            .map_err(|_| anyhow!("the engine is gone"))?;
+        Ok(RequestStream {
+            request_id,
+            rx,
+            finished: false,
+            to_engine: self.to_engine.clone(),
+            routes: self.routes.clone(),
+        })
     }
 
     /// Calls a utility method of the engine-core and waits for its answer.
@@ -145,7 +182,9 @@ impl EngineCoreClient {
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         lock(&self.pending_calls).insert(call_id, tx);
-        self.to_engine.send(EngineCoreInput::Utility(UtilityCall { call_id, method })).map_err(|_| anyhow!("the engine is gone"))?;
+        self.to_engine
+            .send(EngineCoreInput::Utility(UtilityCall { call_id, method }))
+            .map_err(|_| anyhow!("the engine is gone"))?;
         let mut dead = self.dead.clone();
         tokio::select! {
             out = rx => out.map_err(|_| anyhow!("the engine stopped answering")),
@@ -179,7 +218,11 @@ impl EngineCoreClient {
     /// Asks the engine-core to stop, and kills it if it does not within a few seconds.
     pub async fn shutdown(&self) {
         let _ = self.to_engine.send(EngineCoreInput::Shutdown(()));
-        self.engine.lock().await.wait_or_kill(Duration::from_secs(10)).await;
+        self.engine
+            .lock()
+            .await
+            .wait_or_kill(Duration::from_secs(10))
+            .await;
     }
 }
 
@@ -287,11 +330,18 @@ fn mark_dead(dead: &watch::Sender<Option<String>>, routes: &Routes, why: String)
         }
     });
     for (id, tx) in lock(routes).drain() {
-        let _ = tx.send(EngineCoreOutput::failed(id, format!("the engine died: {why}")));
+        let _ = tx.send(EngineCoreOutput::failed(
+            id,
+            format!("the engine died: {why}"),
+        ));
     }
 }
 
-async fn watch_engine(engine: Arc<tokio::sync::Mutex<ChildProcess>>, routes: Routes, dead: Arc<watch::Sender<Option<String>>>) {
+async fn watch_engine(
+    engine: Arc<tokio::sync::Mutex<ChildProcess>>,
+    routes: Routes,
+    dead: Arc<watch::Sender<Option<String>>>,
+) {
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let mut engine = engine.lock().await;
@@ -300,7 +350,11 @@ async fn watch_engine(engine: Arc<tokio::sync::Mutex<ChildProcess>>, routes: Rou
             // The engine-core reports a dead worker just before exiting; give that message,
             // which names the worker, time to arrive and win.
             tokio::time::sleep(Duration::from_millis(300)).await;
-            let why = format!("engine-core (pid {}) exited: {}", pid.unwrap_or(0), describe_exit(status));
+            let why = format!(
+                "engine-core (pid {}) exited: {}",
+                pid.unwrap_or(0),
+                describe_exit(status)
+            );
             // A clean exit after a shutdown request is not a death worth reporting, but the
             // requests still in flight must not hang either way.
             mark_dead(&dead, &routes, why);

@@ -20,19 +20,28 @@ pub async fn generate(args: GenerateArgs) -> anyhow::Result<i32> {
 async fn run_one(llm: &AsyncLLM, args: &GenerateArgs) -> anyhow::Result<()> {
     let prompt = llm.tokenizer.encode(&args.prompt, true)?;
     if prompt.len() as u32 >= llm.max_model_len() {
-        bail!("the prompt has {} tokens, which does not fit the model's context length of {}", prompt.len(), llm.max_model_len());
+        bail!(
+            "the prompt has {} tokens, which does not fit the model's context length of {}",
+            prompt.len(),
+            llm.max_model_len()
+        );
     }
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
         top_k: args.top_k,
         seed: args.sampling_seed,
-        max_tokens: args.max_tokens.min(llm.max_model_len() - prompt.len() as u32),
+        max_tokens: args
+            .max_tokens
+            .min(llm.max_model_len() - prompt.len() as u32),
         ignore_eos: args.ignore_eos,
         ..Default::default()
     };
     params.validate(llm.client.ready.model.vocab_size)?;
-    let text = TextOptions { skip_special_tokens: true, ..Default::default() };
+    let text = TextOptions {
+        skip_special_tokens: true,
+        ..Default::default()
+    };
     let mut stream = llm.generate("generate-0".into(), prompt, params, text, 0)?;
     let mut stdout = std::io::stdout();
     while let Some(out) = stream.next().await {
@@ -49,7 +58,10 @@ async fn run_one(llm: &AsyncLLM, args: &GenerateArgs) -> anyhow::Result<()> {
 pub fn make_tiny_model(args: &MakeTinyModelArgs) -> anyhow::Result<()> {
     use vllm_worker::tiny_model::{write_tiny_model, TinyModelSpec};
     let Some(mut spec) = TinyModelSpec::preset(&args.preset) else {
-        bail!("unknown preset {:?} (see `vllm-rs make-tiny-model --help`)", args.preset);
+        bail!(
+            "unknown preset {:?} (see `vllm-rs make-tiny-model --help`)",
+            args.preset
+        );
     };
     spec.seed = args.seed;
     write_tiny_model(&args.out, &spec)?;

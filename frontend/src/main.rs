@@ -26,25 +26,43 @@ fn run(command: Command) -> anyhow::Result<i32> {
             let config = serde_json::from_str(&config_json)?;
             runtime()?.block_on(vllm_engine_core::engine_core::run_engine_core(config))
         }
-        Command::Worker { rank, world_size, run_dir, config_json } => {
-            let mut config: vllm_worker::model_runner::WorkerConfig = serde_json::from_str(&config_json)?;
+        Command::Worker {
+            rank,
+            world_size,
+            run_dir,
+            config_json,
+        } => {
+            let mut config: vllm_worker::model_runner::WorkerConfig =
+                serde_json::from_str(&config_json)?;
             config.rank = rank;
             config.world_size = world_size;
-            let args = vllm_worker::worker_proc::WorkerArgs { rank, world_size, run_dir, config };
+            let args = vllm_worker::worker_proc::WorkerArgs {
+                rank,
+                world_size,
+                run_dir,
+                config,
+            };
             // The model step blocks its thread; one runtime thread is all the sockets need.
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
             rt.block_on(vllm_worker::worker_proc::run_worker(args))
         }
     }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }
 
 /// Logs go to stderr; `RUST_LOG` filters them (default: info).
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }

@@ -58,7 +58,12 @@ pub struct OutputStream {
 }
 
 impl OutputStream {
-    pub fn new(engine: RequestStream, tokenizer: Tokenizer, prompt: &[u32], text: TextOptions) -> anyhow::Result<Self> {
+    pub fn new(
+        engine: RequestStream,
+        tokenizer: Tokenizer,
+        prompt: &[u32],
+        text: TextOptions,
+    ) -> anyhow::Result<Self> {
         Ok(Self {
             engine,
             detokenizer: IncrementalDetokenizer::new(&tokenizer, prompt, text.skip_special_tokens),

@@ -39,7 +39,10 @@ pub fn encode_payload<T: Serialize>(kind: u8, payload: &T) -> Result<Vec<u8>, Fr
 
 /// Splits a frame into its type byte and payload bytes.
 pub fn split(frame: &[u8]) -> Result<(u8, &[u8]), FrameError> {
-    frame.split_first().map(|(k, p)| (*k, p)).ok_or(FrameError::Empty)
+    frame
+        .split_first()
+        .map(|(k, p)| (*k, p))
+        .ok_or(FrameError::Empty)
 }
 
 pub fn decode_payload<T: DeserializeOwned>(kind: u8, payload: &[u8]) -> Result<T, FrameError> {

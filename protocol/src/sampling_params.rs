@@ -99,38 +99,59 @@ impl SamplingParams {
         if !(-2.0..=2.0).contains(&self.presence_penalty) {
             return invalid(
                 "presence_penalty",
-                format!("presence_penalty must be in [-2, 2], got {}.", self.presence_penalty),
+                format!(
+                    "presence_penalty must be in [-2, 2], got {}.",
+                    self.presence_penalty
+                ),
             );
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
             return invalid(
                 "frequency_penalty",
-                format!("frequency_penalty must be in [-2, 2], got {}.", self.frequency_penalty),
+                format!(
+                    "frequency_penalty must be in [-2, 2], got {}.",
+                    self.frequency_penalty
+                ),
             );
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
             return invalid(
                 "repetition_penalty",
-                format!("repetition_penalty must be greater than zero, got {}.", self.repetition_penalty),
+                format!(
+                    "repetition_penalty must be greater than zero, got {}.",
+                    self.repetition_penalty
+                ),
             );
         }
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return invalid(
                 "temperature",
-                format!("temperature must be non-negative, got {}.", self.temperature),
+                format!(
+                    "temperature must be non-negative, got {}.",
+                    self.temperature
+                ),
             );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return invalid("top_p", format!("top_p must be in (0, 1], got {}.", self.top_p));
+            return invalid(
+                "top_p",
+                format!("top_p must be in (0, 1], got {}.", self.top_p),
+            );
         }
         if self.top_k < -1 {
             return invalid(
                 "top_k",
-                format!("top_k must be 0 (disable), or at least 1, got {}.", self.top_k),
+                format!(
+                    "top_k must be 0 (disable), or at least 1, got {}.",
+                    self.top_k
+                ),
             );
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return invalid("min_p", format!("min_p must be in [0, 1], got {}.", self.min_p));
+            return invalid(
+                "min_p",
+                format!("min_p must be in [0, 1], got {}.", self.min_p),
+            );
         }
         if self.max_tokens < 1 {
             return invalid(
@@ -169,7 +190,10 @@ impl SamplingParams {
                 );
             }
             if !bias.is_finite() {
-                return invalid("logit_bias", format!("logit_bias for token {token} must be finite, got {bias}."));
+                return invalid(
+                    "logit_bias",
+                    format!("logit_bias for token {token} must be finite, got {bias}."),
+                );
             }
         }
         Ok(())
@@ -184,24 +208,43 @@ mod tests {
     fn defaults_are_valid_and_match_vllm() {
         let p = SamplingParams::default();
         assert_eq!(p.validate(100), Ok(()));
-        assert_eq!((p.n, p.temperature, p.top_p, p.max_tokens), (1, 1.0, 1.0, 16));
+        assert_eq!(
+            (p.n, p.temperature, p.top_p, p.max_tokens),
+            (1, 1.0, 1.0, 16)
+        );
         assert!(!p.is_greedy());
     }
 
     #[test]
     fn invalid_values_get_vllm_messages() {
-        let p = SamplingParams { top_p: 1.5, ..Default::default() };
+        let p = SamplingParams {
+            top_p: 1.5,
+            ..Default::default()
+        };
         let err = p.validate(100).unwrap_err();
         assert_eq!(err.param, "top_p");
         assert_eq!(err.message, "top_p must be in (0, 1], got 1.5.");
 
-        let p = SamplingParams { temperature: -1.0, ..Default::default() };
+        let p = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
         assert_eq!(p.validate(100).unwrap_err().param, "temperature");
-        let p = SamplingParams { min_tokens: 20, max_tokens: 10, ..Default::default() };
+        let p = SamplingParams {
+            min_tokens: 20,
+            max_tokens: 10,
+            ..Default::default()
+        };
         assert_eq!(p.validate(100).unwrap_err().param, "min_tokens");
-        let p = SamplingParams { logit_bias: vec![(100, 1.0)], ..Default::default() };
+        let p = SamplingParams {
+            logit_bias: vec![(100, 1.0)],
+            ..Default::default()
+        };
         assert_eq!(p.validate(100).unwrap_err().param, "logit_bias");
-        let p = SamplingParams { top_k: -2, ..Default::default() };
+        let p = SamplingParams {
+            top_k: -2,
+            ..Default::default()
+        };
         assert_eq!(p.validate(100).unwrap_err().param, "top_k");
     }
 }

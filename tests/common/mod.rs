@@ -30,7 +30,11 @@ pub fn tiny_model() -> &'static Path {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 /// A running `vllm-rs serve`, terminated on drop.
@@ -58,7 +62,11 @@ impl Server {
             .stderr(log.reopen().expect("log"))
             .spawn()
             .expect("spawn vllm-rs serve");
-        let mut server = Server { child, base: format!("http://127.0.0.1:{port}"), log };
+        let mut server = Server {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            log,
+        };
         server.wait_healthy(Duration::from_secs(120));
         server
     }
@@ -79,7 +87,10 @@ impl Server {
         let start = Instant::now();
         while start.elapsed() < limit {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("vllm-rs serve exited during startup ({status}):\n{}", self.log());
+                panic!(
+                    "vllm-rs serve exited during startup ({status}):\n{}",
+                    self.log()
+                );
             }
             if http_status(&self.url("/health")) == Ok(200) {
                 return;
@@ -119,13 +130,25 @@ impl Drop for Server {
 pub fn http_status(url: &str) -> Result<u16, String> {
     use std::io::{Read, Write};
     let rest = url.strip_prefix("http://").unwrap_or(url);
-    let (host, path) = rest.split_once('/').map(|(h, p)| (h, format!("/{p}"))).unwrap_or((rest, "/".into()));
+    let (host, path) = rest
+        .split_once('/')
+        .map(|(h, p)| (h, format!("/{p}")))
+        .unwrap_or((rest, "/".into()));
     let mut stream = std::net::TcpStream::connect(host).map_err(|e| e.to_string())?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| e.to_string())?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
     let mut buf = String::new();
     stream.read_to_string(&mut buf).map_err(|e| e.to_string())?;
-    buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| "no status line".to_string())
+    buf.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| "no status line".to_string())
 }
 
 /// Parent pid of `pid`, from /proc.
@@ -137,19 +160,30 @@ fn parent_of(pid: u32) -> Option<u32> {
 }
 
 pub fn cmdline(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
 }
 
 /// Every live process below `root` in the process tree.
 pub fn descendants(root: u32) -> Vec<u32> {
     let all: Vec<u32> = std::fs::read_dir("/proc")
-        .map(|d| d.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect())
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
         .unwrap_or_default();
     let mut found = vec![root];
     let mut i = 0;
     while i < found.len() {
         let parent = found[i];
-        found.extend(all.iter().copied().filter(|&p| parent_of(p) == Some(parent) && !found.contains(&p)));
+        let children: Vec<u32> = all
+            .iter()
+            .copied()
+            .filter(|&p| parent_of(p) == Some(parent) && !found.contains(&p))
+            .collect();
+        found.extend(children);
         i += 1;
     }
     found.remove(0);
@@ -158,5 +192,7 @@ pub fn descendants(root: u32) -> Vec<u32> {
 
 pub fn is_alive(pid: u32) -> bool {
     // A zombie has exited; only its parent has yet to reap it.
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).map(|s| !s.contains(") Z ")).unwrap_or(false)
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.contains(") Z "))
+        .unwrap_or(false)
 }

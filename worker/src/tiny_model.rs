@@ -51,7 +51,7 @@ pub struct TinyModelSpec {
 
 impl TinyModelSpec {
     /// The small test model: hidden 64, 2 layers, 4 heads / 2 kv heads, head_dim 16,
-    /// intermediate 128, vocab 512, tied.
+    /// intermediate 128, vocab 512, context 32768 (long runs for abort tests), tied.
     pub fn tiny(architecture: Architecture) -> Self {
         Self {
             architecture,
@@ -62,7 +62,7 @@ impl TinyModelSpec {
             kv_heads: 2,
             head_dim: 16,
             vocab: 512,
-            max_position_embeddings: 1024,
+            max_position_embeddings: 32768,
             tie_word_embeddings: true,
             seed: 0,
             dtype: TinyDtype::BF16,
@@ -565,7 +565,7 @@ fn write_json(path: &Path, v: &Value) -> Result<()> {
 /// Writes a complete random model folder for `spec` into `dir` (created if missing).
 pub fn write_tiny_model(dir: &Path, spec: &TinyModelSpec) -> Result<()> {
     ensure!(
-        spec.heads % spec.kv_heads == 0,
+        spec.kv_heads > 0 && spec.heads.is_multiple_of(spec.kv_heads),
         "heads must be a multiple of kv_heads"
     );
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

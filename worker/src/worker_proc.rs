@@ -26,7 +26,12 @@ pub struct WorkerArgs {
 pub async fn run_worker(args: WorkerArgs) -> anyhow::Result<i32> {
     exit_when_parent_dies();
     let mut sockets = Sockets::connect(&args.run_dir).await?;
-    sockets.send_dealer(&WorkerEvent::Register(Register { protocol_version: PROTOCOL_VERSION, rank: args.rank })).await?;
+    sockets
+        .send_dealer(&WorkerEvent::Register(Register {
+            protocol_version: PROTOCOL_VERSION,
+            rank: args.rank,
+        }))
+        .await?;
     match serve(&args, &mut sockets).await {
         Ok(()) => Ok(0),
         Err(e) => {
@@ -42,7 +47,9 @@ pub async fn run_worker(args: WorkerArgs) -> anyhow::Result<i32> {
 
 async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
     let mut runner = ModelRunner::load(&args.config)?;
-    sockets.send(&WorkerEvent::Profiled(runner.profile()?)).await?;
+    sockets
+        .send(&WorkerEvent::Profiled(runner.profile()?))
+        .await?;
     loop {
         match sockets.recv().await? {
             WorkerInput::InitializeKvCache(init) => {
@@ -50,7 +57,9 @@ async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
                 sockets.send(&WorkerEvent::KvCacheReady(args.rank)).await?;
             }
             WorkerInput::Execute(so) => {
-                let out = runner.execute_model(&so).with_context(|| format!("step {}", so.step_id))?;
+                let out = runner
+                    .execute_model(&so)
+                    .with_context(|| format!("step {}", so.step_id))?;
                 if args.rank == 0 {
                     sockets.send(&WorkerEvent::Output(out)).await?;
                 }
@@ -71,9 +80,14 @@ impl Sockets {
     async fn connect(run_dir: &Path) -> anyhow::Result<Self> {
         let endpoint = |name: &str| format!("ipc://{}", run_dir.join(name).display());
         let mut dealer = DealerSocket::new();
-        dealer.connect(&endpoint("worker-in.sock")).await.context("connecting to the engine-core")?;
+        dealer
+            .connect(&endpoint("worker-in.sock"))
+            .await
+            .context("connecting to the engine-core")?;
         let mut push = PushSocket::new();
-        push.connect(&endpoint("worker-out.sock")).await.context("connecting to the engine-core")?;
+        push.connect(&endpoint("worker-out.sock"))
+            .await
+            .context("connecting to the engine-core")?;
         Ok(Self { dealer, push })
     }
 
@@ -91,7 +105,9 @@ impl Sockets {
     async fn recv(&mut self) -> anyhow::Result<WorkerInput> {
         loop {
             let message = self.dealer.recv().await?;
-            let Some(frame) = message.iter().last() else { continue };
+            let Some(frame) = message.iter().last() else {
+                continue;
+            };
             match WorkerInput::decode(frame) {
                 Ok(msg) => return Ok(msg),
                 Err(e) => tracing::warn!("dropping malformed frame from the engine-core: {e}"),

@@ -312,15 +312,12 @@ fn decode_through_shuffled_blocks_matches_contiguous_blocks() {
                 .remove(0)
                 .1,
         ];
-        let mut len = 10u32;
-        for step in 0..5 {
+        for len in 10u32..15 {
             let next = argmax(rows.last().unwrap());
             let need = (len as usize + 1).div_ceil(BLOCK_SIZE as usize);
             let have = (len as usize).div_ceil(BLOCK_SIZE as usize);
             let so = cached("a", &[next], &blocks[have..need], len, 1);
             rows.push(r.execute_logits(&so).unwrap().remove(0).1);
-            len += 1;
-            let _ = step;
         }
         rows
     };

@@ -58,9 +58,9 @@ pub fn prompt(seed: u32, len: u32) -> Vec<u32> {
 
 /// A deterministic non-eos token for (request, position).
 pub fn default_token(req_id: &str, pos: usize) -> u32 {
-    let h = req_id
-        .bytes()
-        .fold(pos as u32 ^ 0x9e37, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
+    let h = req_id.bytes().fold(pos as u32 ^ 0x9e37, |h, b| {
+        h.wrapping_mul(31).wrapping_add(b as u32)
+    });
     10 + h % 5000
 }
 
@@ -103,7 +103,11 @@ impl SimWorker {
                     num_computed_tokens: new.num_computed_tokens,
                 },
             );
-            assert!(prev.is_none(), "{} sent as new while the worker holds it", new.req_id);
+            assert!(
+                prev.is_none(),
+                "{} sent as new while the worker holds it",
+                new.req_id
+            );
         }
         for c in &so.scheduled_cached_reqs {
             let w = self
@@ -132,11 +136,18 @@ impl SimWorker {
             let r = sched.request(id).expect("scheduled request exists");
             assert_eq!(w.token_ids, r.all_token_ids, "{id} token ids");
             assert_eq!(w.block_table, sched.block_ids(id), "{id} block table");
-            assert_eq!(w.num_computed_tokens + n, r.num_computed_tokens, "{id} computed");
+            assert_eq!(
+                w.num_computed_tokens + n,
+                r.num_computed_tokens,
+                "{id} computed"
+            );
         }
         for id in sched.running_ids() {
             if sched.request(id).is_some_and(|r| r.known_to_workers) {
-                assert!(self.reqs.contains_key(id), "{id} running but dropped by the worker");
+                assert!(
+                    self.reqs.contains_key(id),
+                    "{id} running but dropped by the worker"
+                );
             }
         }
     }
@@ -155,13 +166,26 @@ impl SimWorker {
             let start = w.num_computed_tokens as usize;
             let end = start + *n as usize;
             assert!(end <= w.token_ids.len(), "{id} computes past its tokens");
-            assert!(end <= w.block_table.len() * bs, "{id} has no slot for its tokens");
+            assert!(
+                end <= w.block_table.len() * bs,
+                "{id} has no slot for its tokens"
+            );
             for pos in 0..start {
-                let slot = self.kv.get(&w.block_table[pos / bs]).and_then(|b| b[pos % bs]);
-                assert_eq!(slot, Some(w.token_ids[pos]), "{id}: wrong KV at position {pos}");
+                let slot = self
+                    .kv
+                    .get(&w.block_table[pos / bs])
+                    .and_then(|b| b[pos % bs]);
+                assert_eq!(
+                    slot,
+                    Some(w.token_ids[pos]),
+                    "{id}: wrong KV at position {pos}"
+                );
             }
             for pos in start..end {
-                let block = self.kv.entry(w.block_table[pos / bs]).or_insert(vec![None; bs]);
+                let block = self
+                    .kv
+                    .entry(w.block_table[pos / bs])
+                    .or_insert(vec![None; bs]);
                 block[pos % bs] = Some(w.token_ids[pos]);
             }
             w.num_computed_tokens = end as u32;
@@ -226,7 +250,10 @@ impl Harness {
         self.worker.check_against(&self.sched, &so);
         let out = self.worker.run(&so, sample);
         for o in self.sched.update_from_output(&so, &out) {
-            self.outputs.entry(o.request_id.clone()).or_default().push(o);
+            self.outputs
+                .entry(o.request_id.clone())
+                .or_default()
+                .push(o);
         }
         self.sched.check_invariants().unwrap();
         self.steps.push(so.clone());
@@ -252,7 +279,10 @@ impl Harness {
     }
 
     pub fn finish_of(&self, id: &str) -> Option<&EngineCoreOutput> {
-        self.outputs.get(id).and_then(|os| os.last()).filter(|o| o.finish_reason.is_some())
+        self.outputs
+            .get(id)
+            .and_then(|os| os.last())
+            .filter(|o| o.finish_reason.is_some())
     }
 
     pub fn assert_pool_free(&self) {

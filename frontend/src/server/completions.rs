@@ -17,7 +17,19 @@ use super::request_fields::{parse_body, resolve_max_tokens, SamplingFields};
 use super::{ApiError, AppState};
 use crate::output_processor::{OutputStream, RequestOutput};
 
-const FIELDS: &[&str] = &["model", "prompt", "max_tokens", "stream", "stream_options", "logprobs", "echo", "return_token_ids", "user", "suffix", "best_of"];
+const FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "echo",
+    "return_token_ids",
+    "user",
+    "suffix",
+    "best_of",
+];
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -54,7 +66,14 @@ struct Choice {
 pub async fn create_completion(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     match start(&state, &body) {
         Ok((req, model, choices)) if req.stream => stream_response(model, choices).into_response(),
-        Ok((req, model, choices)) => match collect(model, choices, req.sampling.n.unwrap_or(1) as usize, req.return_token_ids).await {
+        Ok((req, model, choices)) => match collect(
+            model,
+            choices,
+            req.sampling.n.unwrap_or(1) as usize,
+            req.return_token_ids,
+        )
+        .await
+        {
             Ok(body) => Json(body).into_response(),
             Err(e) => e.into_response(),
         },
@@ -62,23 +81,37 @@ pub async fn create_completion(State(state): State<Arc<AppState>>, body: Bytes) 
     }
 }
 
-fn start(state: &AppState, body: &[u8]) -> Result<(CompletionRequest, String, Vec<Choice>), ApiError> {
+fn start(
+    state: &AppState,
+    body: &[u8],
+) -> Result<(CompletionRequest, String, Vec<Choice>), ApiError> {
     let req: CompletionRequest = parse_body(body, FIELDS)?;
     let model = state.model_name(req.model.as_deref())?;
     state.check_alive()?;
     if req.suffix.is_some() {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
-    if req.best_of.is_some_and(|b| b != req.sampling.n.unwrap_or(1)) {
-        return Err(ApiError::invalid_param("best_of", "best_of is not supported (only best_of == n)"));
+    if req
+        .best_of
+        .is_some_and(|b| b != req.sampling.n.unwrap_or(1))
+    {
+        return Err(ApiError::invalid_param(
+            "best_of",
+            "best_of is not supported (only best_of == n)",
+        ));
     }
     let prompts = tokenize_prompts(state, &req.prompt)?;
     let request_id = format!("cmpl-{}", random_id());
     let n = req.sampling.n.unwrap_or(1) as usize;
     let mut choices = Vec::new();
     for (i, prompt) in prompts.into_iter().enumerate() {
-        let max_tokens = resolve_max_tokens(prompt.len(), req.max_tokens, state.llm.max_model_len())?;
-        let params = req.sampling.sampling_params(max_tokens, req.logprobs, state.llm.client.ready.model.vocab_size)?;
+        let max_tokens =
+            resolve_max_tokens(prompt.len(), req.max_tokens, state.llm.max_model_len())?;
+        let params = req.sampling.sampling_params(
+            max_tokens,
+            req.logprobs,
+            state.llm.client.ready.model.vocab_size,
+        )?;
         for j in 0..n {
             let mut child = params.clone();
             // vLLM gives each parallel sample its own seed, so the n samples differ yet
@@ -88,9 +121,19 @@ fn start(state: &AppState, body: &[u8]) -> Result<(CompletionRequest, String, Ve
             let id = format!("{request_id}-{i}-{j}");
             let stream = state
                 .llm
-                .generate(id, prompt.clone(), child, req.sampling.text_options(), req.sampling.priority.unwrap_or(0))
+                .generate(
+                    id,
+                    prompt.clone(),
+                    child,
+                    req.sampling.text_options(),
+                    req.sampling.priority.unwrap_or(0),
+                )
                 .map_err(|e| ApiError::unavailable(format!("{e:#}")))?;
-            choices.push(Choice { index: i * n + j, prompt_token_ids: prompt.clone(), stream });
+            choices.push(Choice {
+                index: i * n + j,
+                prompt_token_ids: prompt.clone(),
+                stream,
+            });
         }
     }
     Ok((req, model, choices))
@@ -98,7 +141,11 @@ fn start(state: &AppState, body: &[u8]) -> Result<(CompletionRequest, String, Ve
 
 fn tokenize_prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, ApiError> {
     let encode = |text: &str| {
-        state.llm.tokenizer.encode(text, true).map_err(|e| ApiError::invalid_param("prompt", format!("{e:#}")))
+        state
+            .llm
+            .tokenizer
+            .encode(text, true)
+            .map_err(|e| ApiError::invalid_param("prompt", format!("{e:#}")))
     };
     let prompts = match prompt {
         Prompt::Text(t) => vec![encode(t)?],
@@ -108,10 +155,16 @@ fn tokenize_prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, 
     };
     let vocab = state.llm.client.ready.model.vocab_size;
     if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
-        return Err(ApiError::invalid_param("prompt", "The prompt must not be empty."));
+        return Err(ApiError::invalid_param(
+            "prompt",
+            "The prompt must not be empty.",
+        ));
     }
     if let Some(bad) = prompts.iter().flatten().find(|&&t| t >= vocab) {
-        return Err(ApiError::invalid_param("prompt", format!("Token id {bad} is out of vocabulary (size {vocab}).")));
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!("Token id {bad} is out of vocabulary (size {vocab})."),
+        ));
     }
     Ok(prompts)
 }
@@ -125,7 +178,12 @@ fn created() -> u64 {
 }
 
 /// Runs every choice to the end and builds the response body.
-async fn collect(model: String, choices: Vec<Choice>, n: usize, return_token_ids: bool) -> Result<Value, ApiError> {
+async fn collect(
+    model: String,
+    choices: Vec<Choice>,
+    n: usize,
+    return_token_ids: bool,
+) -> Result<Value, ApiError> {
     let mut out = Vec::new();
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
     for mut choice in choices {
@@ -178,14 +236,20 @@ fn engine_error(err: &str, before_first_token: bool) -> ApiError {
     }
 }
 
-fn stream_response(model: String, choices: Vec<Choice>) -> Sse<BoxStream<'static, Result<Event, std::convert::Infallible>>> {
+fn stream_response(
+    model: String,
+    choices: Vec<Choice>,
+) -> Sse<BoxStream<'static, Result<Event, std::convert::Infallible>>> {
     let id = format!("cmpl-{}", random_id());
     let created = created();
     let streams = choices.into_iter().map(|c| {
         let index = c.index;
-        stream::unfold(c.stream, |mut s| async move { s.next().await.map(|o| (o, s)) })
-            .map(move |o| (index, o))
-            .boxed()
+        stream::unfold(
+            c.stream,
+            |mut s| async move { s.next().await.map(|o| (o, s)) },
+        )
+        .map(move |o| (index, o))
+        .boxed()
     });
     let events = stream::select_all(streams)
         .map(move |(index, o): (usize, RequestOutput)| {

@@ -15,27 +15,51 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), param: None }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: None,
+        }
     }
 
     pub fn invalid_param(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), param: Some(param.into()) }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: Some(param.into()),
+        }
     }
 
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::NOT_FOUND, message: message.into(), param: None }
+        Self {
+            status: StatusCode::NOT_FOUND,
+            message: message.into(),
+            param: None,
+        }
     }
 
     pub fn unauthorized() -> Self {
-        Self { status: StatusCode::UNAUTHORIZED, message: "Unauthorized: missing or invalid API key".into(), param: None }
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: "Unauthorized: missing or invalid API key".into(),
+            param: None,
+        }
     }
 
     pub fn unavailable(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), param: None }
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            param: None,
+        }
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), param: None }
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            param: None,
+        }
     }
 
     /// OpenAI's `type` for this status.

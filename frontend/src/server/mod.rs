@@ -34,7 +34,9 @@ impl AppState {
         match requested {
             None => Ok(self.served_model_names[0].clone()),
             Some(name) if self.served_model_names.iter().any(|n| n == name) => Ok(name.to_string()),
-            Some(name) => Err(ApiError::not_found(format!("The model `{name}` does not exist."))),
+            Some(name) => Err(ApiError::not_found(format!(
+                "The model `{name}` does not exist."
+            ))),
         }
     }
 
@@ -50,7 +52,10 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(completions::create_completion))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
     Router::new()
         .merge(v1)
         .route("/health", get(health::health))
@@ -58,9 +63,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Result<Response, ApiError> {
+async fn require_api_key(
+    State(state): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
     if let Some(key) = &state.api_key {
-        let given = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+        let given = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
         if given != Some(format!("Bearer {key}").as_str()) {
             return Err(ApiError::unauthorized());
         }
@@ -77,13 +89,22 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         api_key: args.api_key.clone(),
     });
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-    tracing::info!("serving {} on http://{addr}", state.served_model_names.join(", "));
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    tracing::info!(
+        "serving {} on http://{addr}",
+        state.served_model_names.join(", ")
+    );
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let app = router(state.clone());
     let server = tokio::spawn(async move {
-        axum::serve(listener, app).with_graceful_shutdown(async { let _ = stop_rx.await; }).await
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = stop_rx.await;
+            })
+            .await
     });
     let code = tokio::select! {
         why = state.llm.client.wait_dead() => {

@@ -15,19 +15,42 @@ pub fn parse_body<T: DeserializeOwned>(body: &[u8], known: &[&str]) -> Result<T,
     let value: serde_json::Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("Invalid JSON in request body: {e}")))?;
     let Some(object) = value.as_object() else {
-        return Err(ApiError::bad_request("The request body must be a JSON object."));
+        return Err(ApiError::bad_request(
+            "The request body must be a JSON object.",
+        ));
     };
-    if let Some(unknown) = object.keys().find(|k| !known.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str())) {
-        return Err(ApiError::invalid_param(unknown.clone(), format!("Unsupported field `{unknown}`: vllm-rs does not implement it.")));
+    if let Some(unknown) = object
+        .keys()
+        .find(|k| !known.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str()))
+    {
+        return Err(ApiError::invalid_param(
+            unknown.clone(),
+            format!("Unsupported field `{unknown}`: vllm-rs does not implement it."),
+        ));
     }
-    serde_json::from_value(value).map_err(|e| ApiError::bad_request(format!("Invalid request: {e}")))
+    serde_json::from_value(value)
+        .map_err(|e| ApiError::bad_request(format!("Invalid request: {e}")))
 }
 
 /// Field names of [`SamplingFields`], accepted by every generating endpoint.
 pub const SAMPLING_FIELDS: &[&str] = &[
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "include_stop_str_in_output", "skip_special_tokens", "priority",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "priority",
 ];
 
 /// `stop` may be one string or a list.
@@ -63,7 +86,12 @@ pub struct SamplingFields {
 impl SamplingFields {
     /// Builds validated `SamplingParams`; `max_tokens` is already resolved against the
     /// context length by the caller.
-    pub fn sampling_params(&self, max_tokens: u32, logprobs: Option<u32>, vocab_size: u32) -> Result<SamplingParams, ApiError> {
+    pub fn sampling_params(
+        &self,
+        max_tokens: u32,
+        logprobs: Option<u32>,
+        vocab_size: u32,
+    ) -> Result<SamplingParams, ApiError> {
         let d = SamplingParams::default();
         let logit_bias = self
             .logit_bias
@@ -71,7 +99,10 @@ impl SamplingFields {
             .flatten()
             .map(|(token, bias)| {
                 token.parse::<u32>().map(|t| (t, *bias)).map_err(|_| {
-                    ApiError::invalid_param("logit_bias", format!("logit_bias keys must be token ids, got {token:?}."))
+                    ApiError::invalid_param(
+                        "logit_bias",
+                        format!("logit_bias keys must be token ids, got {token:?}."),
+                    )
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -92,7 +123,9 @@ impl SamplingFields {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             logit_bias,
         };
-        params.validate(vocab_size).map_err(|e| ApiError::invalid_param(e.param, e.message))?;
+        params
+            .validate(vocab_size)
+            .map_err(|e| ApiError::invalid_param(e.param, e.message))?;
         Ok(params)
     }
 
@@ -111,7 +144,11 @@ impl SamplingFields {
 
 /// Resolves `max_tokens` against the context, with vLLM's messages for prompts that do not
 /// fit: an absent `max_tokens` means "up to the context length".
-pub fn resolve_max_tokens(prompt_len: usize, max_tokens: Option<u32>, max_model_len: u32) -> Result<u32, ApiError> {
+pub fn resolve_max_tokens(
+    prompt_len: usize,
+    max_tokens: Option<u32>,
+    max_model_len: u32,
+) -> Result<u32, ApiError> {
     let max_model_len = max_model_len as usize;
     if prompt_len >= max_model_len {
         return Err(ApiError::invalid_param(

@@ -84,7 +84,7 @@ pub fn rotary_embedding_neox(
 ) {
     let t = positions.len();
     assert!(
-        rotary_dim <= head_dim && rotary_dim % 2 == 0,
+        rotary_dim <= head_dim && rotary_dim.is_multiple_of(2),
         "rotary: rotary_dim"
     );
     assert_eq!(q.len() % (t.max(1) * head_dim), 0, "rotary: q shape");

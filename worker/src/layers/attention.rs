@@ -25,6 +25,7 @@ impl Attention {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn forward<B: Backend>(
         &self,
         b: &B,

@@ -37,7 +37,7 @@ impl<B: Backend> QKVParallelLinear<B> {
         let (q_head0, num_heads) = tp.even_shard(total_heads, "num_attention_heads")?;
         let (kv_head0, num_kv_heads) = if tp.size >= total_kv_heads {
             ensure!(
-                tp.size % total_kv_heads == 0,
+                tp.size.is_multiple_of(total_kv_heads),
                 "tp size {} must be a multiple of kv heads {total_kv_heads}",
                 tp.size
             );

@@ -22,7 +22,7 @@ impl TensorParallel {
     /// The `(start, len)` of this rank's equal share of `total` (which must divide).
     pub fn even_shard(&self, total: usize, what: &str) -> anyhow::Result<(usize, usize)> {
         anyhow::ensure!(
-            total % self.size == 0,
+            total.is_multiple_of(self.size),
             "{what} ({total}) is not divisible by the tensor-parallel size {}",
             self.size
         );

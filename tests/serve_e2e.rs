@@ -5,33 +5,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{cmdline, descendants, is_alive, tiny_model, Server};
+use common::{cmdline, descendants, is_alive, metric, tiny_model, Server};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
 async fn post(server: &Server, path: &str, body: Value) -> (u16, Value) {
-    let resp = reqwest::Client::new()
-        .post(server.url(path))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    let status = resp.status().as_u16();
-    (status, resp.json().await.unwrap_or(Value::Null))
-}
-
-async fn metric(server: &Server, name: &str) -> f64 {
-    let text = reqwest::get(server.url("/metrics"))
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    text.lines()
-        .find(|l| l.starts_with(name) && !l.starts_with('#'))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+    common::post_json(server, path, &body).await
 }
 
 #[tokio::test(flavor = "multi_thread")]

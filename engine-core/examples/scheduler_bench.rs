@@ -140,6 +140,13 @@ fn main() {
     assert_eq!(s.stats().num_running_reqs, 1024);
     let (t, tokens) = timed_steps(&mut s, 500);
     report("1,024 running, decode", &t, tokens);
+    if std::env::var_os("BENCH_SLOW_STEPS").is_some() {
+        for (i, (a, b)) in t.schedule.iter().zip(&t.update).enumerate() {
+            if (*a + *b) > Duration::from_millis(2) {
+                println!("  slow step {i}: schedule {a:?} update {b:?}");
+            }
+        }
+    }
 
     // 2. 8,192 waiting behind 256 running decodes (max_num_seqs = 256).
     let mut s = Scheduler::new(config(256));

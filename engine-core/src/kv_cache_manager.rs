@@ -189,11 +189,16 @@ impl KvCacheManager {
         let num_full = ((num_computed_tokens / self.block_size) as usize)
             .min(block_hashes.len())
             .min(entry.block_table.len());
-        for i in entry.num_cached_blocks..num_full {
-            self.block_pool
-                .cache_block(entry.block_table[i], block_hashes[i]);
+        if num_full > entry.num_cached_blocks {
+            let range = entry.num_cached_blocks..num_full;
+            for (&id, &hash) in entry.block_table[range.clone()]
+                .iter()
+                .zip(&block_hashes[range])
+            {
+                self.block_pool.cache_block(id, hash);
+            }
+            entry.num_cached_blocks = num_full;
         }
-        entry.num_cached_blocks = entry.num_cached_blocks.max(num_full);
     }
 
     /// Frees the request's blocks tail-first: the end of a sequence is the least likely to

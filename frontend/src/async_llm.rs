@@ -4,12 +4,14 @@
 //! detokenized [`RequestOutput`]s. The HTTP server, `generate` and the benchmarks all use it.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context;
 use vllm_protocol::{EngineCoreRequest, SamplingParams};
 
 use crate::args::EngineArgs;
 use crate::engine_client::{vllm_rs_exe, EngineCoreClient};
+use crate::metrics::Metrics;
 use crate::output_processor::{OutputStream, TextOptions};
 use crate::tokenizer::Tokenizer;
 
@@ -19,6 +21,7 @@ pub struct AsyncLLM {
     /// Every token id that ends generation by default: the tokenizer's eos plus those of
     /// config.json and generation_config.json.
     pub eos_token_ids: Vec<u32>,
+    pub metrics: Arc<Metrics>,
 }
 
 impl AsyncLLM {
@@ -28,10 +31,12 @@ impl AsyncLLM {
         let tokenizer = Tokenizer::from_model_dir(&args.model)?;
         let eos_token_ids = eos_token_ids(&args.model, &tokenizer);
         let client = EngineCoreClient::start(args.engine_core_config(vllm_rs_exe()?)?).await?;
+        let metrics = Arc::new(Metrics::new(args.served_model_names()[0].clone()));
         Ok(Self {
             client,
             tokenizer,
             eos_token_ids,
+            metrics,
         })
     }
 
@@ -57,7 +62,13 @@ impl AsyncLLM {
             priority,
         };
         let stream = self.client.add_request(request)?;
-        OutputStream::new(stream, self.tokenizer.clone(), &prompt_token_ids, text)
+        OutputStream::new(
+            stream,
+            self.tokenizer.clone(),
+            &prompt_token_ids,
+            text,
+            self.metrics.clone(),
+        )
     }
 
     pub async fn shutdown(&self) {

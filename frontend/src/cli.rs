@@ -57,6 +57,9 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY).
     #[arg(long, env = "VLLM_API_KEY")]
     pub api_key: Option<String>,
+    /// A Jinja chat template for /v1/chat/completions, replacing the tokenizer's.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]

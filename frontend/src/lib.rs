@@ -3,10 +3,12 @@
 
 pub mod args;
 pub mod async_llm;
+pub mod chat_template;
 pub mod cli;
 pub mod detokenizer;
 pub mod engine_client;
 pub mod generate;
+pub mod metrics;
 pub mod output_processor;
 pub mod server;
 pub mod stop_strings;

@@ -4,8 +4,11 @@
 
 use vllm_protocol::{EngineCoreOutput, FinishReason, TokenLogprobs};
 
+use std::sync::Arc;
+
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::engine_client::RequestStream;
+use crate::metrics::{Metrics, RequestTracker};
 use crate::stop_strings::StopChecker;
 use crate::tokenizer::Tokenizer;
 
@@ -40,11 +43,16 @@ pub struct RequestOutput {
 impl RequestOutput {
     /// `stop_reason` as vLLM reports it: the stop token id or string, else null.
     pub fn stop_reason_json(&self) -> serde_json::Value {
-        match &self.stop_reason {
-            Some(StopReason::Token(t)) => serde_json::json!(t),
-            Some(StopReason::Text(s)) => serde_json::json!(s),
-            None => serde_json::Value::Null,
-        }
+        stop_reason_json(&self.stop_reason)
+    }
+}
+
+/// `stop_reason` as vLLM reports it: the stop token id or string, else null.
+pub fn stop_reason_json(reason: &Option<StopReason>) -> serde_json::Value {
+    match reason {
+        Some(StopReason::Token(t)) => serde_json::json!(t),
+        Some(StopReason::Text(s)) => serde_json::json!(s),
+        None => serde_json::Value::Null,
     }
 }
 
@@ -55,6 +63,8 @@ pub struct OutputStream {
     stop: StopChecker,
     stops: Vec<String>,
     done: bool,
+    metrics: Arc<Metrics>,
+    tracker: RequestTracker,
 }
 
 impl OutputStream {
@@ -63,8 +73,11 @@ impl OutputStream {
         tokenizer: Tokenizer,
         prompt: &[u32],
         text: TextOptions,
+        metrics: Arc<Metrics>,
     ) -> anyhow::Result<Self> {
         Ok(Self {
+            metrics,
+            tracker: RequestTracker::new(prompt.len()),
             engine,
             detokenizer: IncrementalDetokenizer::new(&tokenizer, prompt, text.skip_special_tokens),
             stop: StopChecker::new(text.stop.clone(), text.include_stop_str_in_output),
@@ -117,6 +130,21 @@ impl OutputStream {
             result.text.push_str(&self.stop.finish());
         }
         self.done = result.finish_reason.is_some();
+        self.tracker
+            .on_tokens(&self.metrics, result.new_token_ids.len());
+        if let Some(reason) = result.finish_reason {
+            self.tracker.on_finish(&self.metrics, reason.as_str());
+        }
         result
+    }
+}
+
+impl Drop for OutputStream {
+    /// A stream dropped before its end is a client that went away: the engine request is
+    /// aborted (by the `RequestStream`) and counted as such.
+    fn drop(&mut self) {
+        if !self.tracker.is_finished() {
+            self.tracker.on_finish(&self.metrics, "abort");
+        }
     }
 }

@@ -196,3 +196,42 @@ pub fn is_alive(pid: u32) -> bool {
         .map(|s| !s.contains(") Z "))
         .unwrap_or(false)
 }
+
+/// POSTs JSON and returns (status, body).
+pub async fn post_json(
+    server: &Server,
+    path: &str,
+    body: &serde_json::Value,
+) -> (u16, serde_json::Value) {
+    let resp = ::reqwest::Client::new()
+        .post(server.url(path))
+        .json(body)
+        .send()
+        .await
+        .expect("send");
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(serde_json::Value::Null))
+}
+
+/// One sample of a metric from `/metrics` (the first line starting with `name`).
+pub async fn metric(server: &Server, name: &str) -> f64 {
+    let text = ::reqwest::get(server.url("/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    text.lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics:\n{text}"))
+}
+
+/// The `data:` payloads of an SSE response body, in order.
+pub fn sse_events(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}

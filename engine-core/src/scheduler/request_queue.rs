@@ -73,10 +73,6 @@ impl RequestQueue {
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Queues a newly arrived request.
     pub fn push_back(&mut self, req: &Request) {
         match self {

@@ -1,6 +1,6 @@
 //! `POST /v1/completions`: prompts (a string, strings, token ids, or lists of token ids)
-//! in, completions out, whole or streamed by SSE. Each prompt fans out into `n` engine
-//! requests; choice `i * n + j` is sample `j` of prompt `i`.
+//! in, completions out, whole or streamed by SSE; `logprobs` in the legacy completions
+//! shape, `echo`, and vLLM's `return_token_ids`.
 
 use std::sync::Arc;
 
@@ -12,10 +12,12 @@ use axum::Json;
 use futures::stream::{self, BoxStream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
+use vllm_protocol::TokenLogprobs;
 
-use super::request_fields::{parse_body, resolve_max_tokens, SamplingFields};
+use super::choices::{self, created, engine_error, random_id, Choice, FinishedChoice};
+use super::request_fields::{parse_body, SamplingFields};
 use super::{ApiError, AppState};
-use crate::output_processor::{OutputStream, RequestOutput};
+use crate::tokenizer::Tokenizer;
 
 const FIELDS: &[&str] = &[
     "model",
@@ -26,6 +28,7 @@ const FIELDS: &[&str] = &[
     "logprobs",
     "echo",
     "return_token_ids",
+    "return_tokens_as_token_ids",
     "user",
     "suffix",
     "best_of",
@@ -33,11 +36,17 @@ const FIELDS: &[&str] = &[
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-pub enum Prompt {
+enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
     TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -47,49 +56,56 @@ struct CompletionRequest {
     max_tokens: Option<u32>,
     #[serde(default)]
     stream: bool,
+    stream_options: Option<StreamOptions>,
     logprobs: Option<u32>,
     #[serde(default)]
+    echo: bool,
+    #[serde(default)]
     return_token_ids: bool,
+    /// vLLM's option to name logprob tokens "token_id:N", which never collide.
+    #[serde(default)]
+    return_tokens_as_token_ids: bool,
     suffix: Option<String>,
     best_of: Option<u32>,
     #[serde(flatten)]
     sampling: SamplingFields,
 }
 
-/// One engine request of this HTTP request, and where its output goes.
-struct Choice {
-    index: usize,
-    prompt_token_ids: Vec<u32>,
-    stream: OutputStream,
+/// What a response needs besides the choices.
+struct Reply {
+    id: String,
+    model: String,
+    n: usize,
+    echo: bool,
+    return_token_ids: bool,
+    tokens_as_ids: bool,
+    include_usage: bool,
+    tokenizer: Tokenizer,
 }
 
 pub async fn create_completion(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    match start(&state, &body) {
-        Ok((req, model, choices)) if req.stream => stream_response(model, choices).into_response(),
-        Ok((req, model, choices)) => match collect(
-            model,
-            choices,
-            req.sampling.n.unwrap_or(1) as usize,
-            req.return_token_ids,
-        )
-        .await
-        {
-            Ok(body) => Json(body).into_response(),
-            Err(e) => e.into_response(),
-        },
+    let (reply, choices, stream) = match start(&state, &body) {
+        Ok(started) => started,
+        Err(e) => return e.into_response(),
+    };
+    if stream {
+        return stream_response(reply, choices).into_response();
+    }
+    match choices::finish_all(choices).await {
+        Ok(done) => Json(reply.body(&done)).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
-fn start(
-    state: &AppState,
-    body: &[u8],
-) -> Result<(CompletionRequest, String, Vec<Choice>), ApiError> {
+fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), ApiError> {
     let req: CompletionRequest = parse_body(body, FIELDS)?;
     let model = state.model_name(req.model.as_deref())?;
     state.check_alive()?;
     if req.suffix.is_some() {
-        return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
+        return Err(ApiError::invalid_param(
+            "suffix",
+            "suffix is not supported.",
+        ));
     }
     if req
         .best_of
@@ -97,46 +113,36 @@ fn start(
     {
         return Err(ApiError::invalid_param(
             "best_of",
-            "best_of is not supported (only best_of == n)",
+            "best_of is not supported (only best_of == n).",
+        ));
+    }
+    if req.echo && req.logprobs.is_some() {
+        return Err(ApiError::invalid_param(
+            "echo",
+            "echo with logprobs needs prompt logprobs, which are not supported yet.",
         ));
     }
     let prompts = tokenize_prompts(state, &req.prompt)?;
-    let request_id = format!("cmpl-{}", random_id());
-    let n = req.sampling.n.unwrap_or(1) as usize;
-    let mut choices = Vec::new();
-    for (i, prompt) in prompts.into_iter().enumerate() {
-        let max_tokens =
-            resolve_max_tokens(prompt.len(), req.max_tokens, state.llm.max_model_len())?;
-        let params = req.sampling.sampling_params(
-            max_tokens,
-            req.logprobs,
-            state.llm.client.ready.model.vocab_size,
-        )?;
-        for j in 0..n {
-            let mut child = params.clone();
-            // vLLM gives each parallel sample its own seed, so the n samples differ yet
-            // the whole request stays reproducible.
-            child.seed = params.seed.map(|s| s.wrapping_add(j as u64));
-            child.n = 1;
-            let id = format!("{request_id}-{i}-{j}");
-            let stream = state
-                .llm
-                .generate(
-                    id,
-                    prompt.clone(),
-                    child,
-                    req.sampling.text_options(),
-                    req.sampling.priority.unwrap_or(0),
-                )
-                .map_err(|e| ApiError::unavailable(format!("{e:#}")))?;
-            choices.push(Choice {
-                index: i * n + j,
-                prompt_token_ids: prompt.clone(),
-                stream,
-            });
-        }
-    }
-    Ok((req, model, choices))
+    let id = format!("cmpl-{}", random_id());
+    let choices = choices::start_choices(
+        state,
+        &id,
+        prompts,
+        req.max_tokens,
+        req.logprobs,
+        &req.sampling,
+    )?;
+    let reply = Reply {
+        id,
+        model,
+        n: req.sampling.n.unwrap_or(1) as usize,
+        echo: req.echo,
+        return_token_ids: req.return_token_ids,
+        tokens_as_ids: req.return_tokens_as_token_ids,
+        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        tokenizer: state.llm.tokenizer.clone(),
+    };
+    Ok((reply, choices, req.stream))
 }
 
 fn tokenize_prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, ApiError> {
@@ -169,103 +175,145 @@ fn tokenize_prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, 
     Ok(prompts)
 }
 
-pub fn random_id() -> String {
-    format!("{:032x}", rand::random::<u128>())
-}
+impl Reply {
+    fn body(&self, done: &[FinishedChoice]) -> Value {
+        let prompt_tokens = choices::prompt_tokens(done, self.n);
+        let completion_tokens: usize = done.iter().map(|c| c.token_ids.len()).sum();
+        let choices: Vec<Value> = done.iter().map(|c| self.choice(c)).collect();
+        json!({
+            "id": self.id, "object": "text_completion", "created": created(), "model": self.model,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
+        })
+    }
 
-fn created() -> u64 {
-    vllm_engine_core::engine_core::now() as u64
-}
-
-/// Runs every choice to the end and builds the response body.
-async fn collect(
-    model: String,
-    choices: Vec<Choice>,
-    n: usize,
-    return_token_ids: bool,
-) -> Result<Value, ApiError> {
-    let mut out = Vec::new();
-    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
-    for mut choice in choices {
-        let (mut text, mut token_ids, mut last) = (String::new(), Vec::new(), None);
-        while let Some(o) = choice.stream.next().await {
-            if let Some(err) = &o.error {
-                return Err(engine_error(err, token_ids.is_empty()));
-            }
-            text.push_str(&o.text);
-            token_ids.extend_from_slice(&o.new_token_ids);
-            last = Some(o);
-        }
-        // n samples of one prompt count its tokens once, as OpenAI does.
-        if choice.index % n == 0 {
-            prompt_tokens += choice.prompt_token_ids.len();
-        }
-        completion_tokens += token_ids.len();
-        let mut c = json!({
-            "index": choice.index,
+    fn choice(&self, c: &FinishedChoice) -> Value {
+        let text = match self.echo {
+            true => format!(
+                "{}{}",
+                self.tokenizer
+                    .decode(&c.prompt_token_ids, true)
+                    .unwrap_or_default(),
+                c.text
+            ),
+            false => c.text.clone(),
+        };
+        let mut v = json!({
+            "index": c.index,
             "text": text,
-            "logprobs": null,
-            "finish_reason": last.as_ref().and_then(|o| o.finish_reason).map(|f| f.as_str()),
-            "stop_reason": last.as_ref().map(|o| o.stop_reason_json()),
+            "logprobs": (!c.logprobs.is_empty()).then(|| legacy_logprobs(&self.tokenizer, &c.logprobs, 0, self.tokens_as_ids)),
+            "finish_reason": c.finish_reason.map(|f| f.as_str()),
+            "stop_reason": c.stop_reason_json(),
         });
-        if return_token_ids {
-            c["token_ids"] = json!(token_ids);
-            c["prompt_token_ids"] = json!(choice.prompt_token_ids);
+        if self.return_token_ids {
+            v["token_ids"] = json!(c.token_ids);
+            v["prompt_token_ids"] = json!(c.prompt_token_ids);
         }
-        out.push(c);
+        v
     }
-    Ok(json!({
-        "id": format!("cmpl-{}", random_id()),
-        "object": "text_completion",
-        "created": created(),
-        "model": model,
-        "choices": out,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
-    }))
+
+    fn chunk(&self, choice: Value) -> Value {
+        json!({"id": self.id, "object": "text_completion", "created": created(), "model": self.model, "choices": [choice]})
+    }
 }
 
-/// An engine-side failure: a rejection before any token is the client's fault (400),
-/// anything later is the server's.
-fn engine_error(err: &str, before_first_token: bool) -> ApiError {
-    if err.starts_with("the engine died") {
-        ApiError::unavailable(err)
-    } else if before_first_token {
-        ApiError::bad_request(err)
-    } else {
-        ApiError::internal(err)
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+}
+
+/// The completions API's logprobs: parallel lists of token texts, their logprobs, the top
+/// alternatives as {text: logprob} and each token's offset in the text.
+pub fn legacy_logprobs(
+    tokenizer: &Tokenizer,
+    logprobs: &[TokenLogprobs],
+    start_offset: usize,
+    tokens_as_ids: bool,
+) -> Value {
+    let text_of = |id: u32| match tokens_as_ids {
+        true => format!("token_id:{id}"),
+        false => tokenizer.decode(&[id], false).unwrap_or_default(),
+    };
+    let mut offset = start_offset;
+    let (mut tokens, mut token_logprobs, mut top, mut offsets) = (vec![], vec![], vec![], vec![]);
+    for lp in logprobs {
+        let text = text_of(lp.token_id);
+        offsets.push(offset);
+        offset += text.len();
+        tokens.push(text);
+        token_logprobs.push(lp.logprob);
+        let alternatives: serde_json::Map<String, Value> = lp
+            .top
+            .iter()
+            .map(|&(id, l)| (text_of(id), json!(l)))
+            .collect();
+        top.push(Value::Object(alternatives));
     }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+/// Per-choice bookkeeping while streaming.
+#[derive(Default, Clone)]
+struct StreamedChoice {
+    prompt_len: usize,
+    completion_tokens: usize,
+    text_len: usize,
+    echoed: bool,
 }
 
 fn stream_response(
-    model: String,
+    reply: Reply,
     choices: Vec<Choice>,
 ) -> Sse<BoxStream<'static, Result<Event, std::convert::Infallible>>> {
-    let id = format!("cmpl-{}", random_id());
-    let created = created();
-    let streams = choices.into_iter().map(|c| {
-        let index = c.index;
-        stream::unfold(
-            c.stream,
-            |mut s| async move { s.next().await.map(|o| (o, s)) },
-        )
-        .map(move |o| (index, o))
-        .boxed()
+    let mut seen: Vec<StreamedChoice> = vec![StreamedChoice::default(); choices.len()];
+    for c in &choices {
+        seen[c.index].prompt_len = c.prompt_token_ids.len();
+    }
+    let prompts: Vec<Vec<u32>> = choices.iter().map(|c| c.prompt_token_ids.clone()).collect();
+    let reply = Arc::new(reply);
+    let usage_reply = reply.clone();
+    let seen = Arc::new(std::sync::Mutex::new(seen));
+    let usage_seen = seen.clone();
+    let events = choices::merged(choices).map(move |(index, o)| {
+        let body = match &o.error {
+            Some(err) => engine_error(err, false).body(),
+            None => {
+                let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+                let s = &mut seen[index];
+                let mut text = o.text.clone();
+                if reply.echo && !s.echoed {
+                    s.echoed = true;
+                    text = format!("{}{text}", reply.tokenizer.decode(&prompts[index], true).unwrap_or_default());
+                }
+                let logprobs = o.logprobs.as_ref().map(|lp| legacy_logprobs(&reply.tokenizer, lp, s.text_len, reply.tokens_as_ids));
+                s.completion_tokens += o.new_token_ids.len();
+                s.text_len += o.text.len();
+                let mut choice = json!({
+                    "index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": o.finish_reason.map(|f| f.as_str()), "stop_reason": o.stop_reason_json(),
+                });
+                if reply.return_token_ids {
+                    choice["token_ids"] = json!(o.new_token_ids);
+                }
+                reply.chunk(choice)
+            }
+        };
+        Ok(Event::default().data(body.to_string()))
     });
-    let events = stream::select_all(streams)
-        .map(move |(index, o): (usize, RequestOutput)| {
-            let body = match &o.error {
-                Some(err) => engine_error(err, false).body(),
-                None => json!({
-                    "id": id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{
-                        "index": index, "text": o.text, "logprobs": null,
-                        "finish_reason": o.finish_reason.map(|f| f.as_str()),
-                        "stop_reason": o.stop_reason_json(),
-                    }],
-                }),
-            };
-            Ok(Event::default().data(body.to_string()))
-        })
-        .chain(stream::once(async { Ok(Event::default().data("[DONE]")) }));
-    Sse::new(events.boxed())
+    let tail = stream::once(async move {
+        let mut out = Vec::new();
+        if usage_reply.include_usage {
+            let seen = usage_seen.lock().unwrap_or_else(|p| p.into_inner());
+            let prompt: usize = seen.iter().enumerate().filter(|(i, _)| i % usage_reply.n.max(1) == 0).map(|(_, s)| s.prompt_len).sum();
+            let completion: usize = seen.iter().map(|s| s.completion_tokens).sum();
+            let body = json!({
+                "id": usage_reply.id, "object": "text_completion", "created": created(), "model": usage_reply.model,
+                "choices": [], "usage": usage(prompt, completion),
+            });
+            out.push(Ok(Event::default().data(body.to_string())));
+        }
+        out.push(Ok(Event::default().data("[DONE]")));
+        stream::iter(out)
+    })
+    .flatten();
+    Sse::new(events.chain(tail).boxed())
 }

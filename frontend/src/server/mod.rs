@@ -2,9 +2,12 @@
 //! and serves until Ctrl-C / SIGTERM (clean exit) or until the engine dies (exit 1 after a
 //! short grace, so in-flight responses can carry their error to the clients).
 
+mod chat;
+mod choices;
 mod completions;
 mod error;
 mod health;
+mod info;
 mod request_fields;
 
 use std::sync::Arc;
@@ -26,6 +29,10 @@ pub struct AppState {
     pub llm: AsyncLLM,
     pub served_model_names: Vec<String>,
     pub api_key: Option<String>,
+    /// The `--model` folder, reported as each model's `root`.
+    pub model_path: String,
+    /// `--chat-template FILE`, else the tokenizer's; None: chat requests get a 400.
+    pub chat_template: Option<crate::chat_template::ChatTemplate>,
 }
 
 impl AppState {
@@ -52,6 +59,8 @@ impl AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(completions::create_completion))
+        .route("/v1/chat/completions", post(chat::create_chat_completion))
+        .route("/v1/models", get(info::models))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
@@ -60,6 +69,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(v1)
         .route("/health", get(health::health))
         .route("/metrics", get(health::metrics))
+        .route("/version", get(info::version))
+        .route("/tokenize", post(info::tokenize))
+        .route("/detokenize", post(info::detokenize))
         .with_state(state)
 }
 
@@ -83,10 +95,22 @@ async fn require_api_key(
 /// `vllm-rs serve`: returns the process's exit code.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
     let llm = AsyncLLM::start(&args.engine).await?;
+    let chat_template = match crate::chat_template::ChatTemplate::load(
+        args.chat_template.as_deref(),
+        &llm.tokenizer,
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            llm.shutdown().await;
+            return Err(e);
+        }
+    };
     let state = Arc::new(AppState {
         llm,
+        chat_template,
         served_model_names: args.engine.served_model_names(),
         api_key: args.api_key.clone(),
+        model_path: args.engine.model.display().to_string(),
     });
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)

@@ -1,0 +1,158 @@
+//! The choices of one API request: each prompt fans out into `n` engine requests (vLLM's
+//! parallel sampling), choice `i * n + j` being sample `j` of prompt `i`. Shared by
+//! completions and chat: starting the choices, running them to the end, or merging their
+//! streams for SSE.
+
+use futures::stream::{self, BoxStream, StreamExt};
+use vllm_protocol::{FinishReason, TokenLogprobs};
+
+use super::request_fields::{resolve_max_tokens, SamplingFields};
+use super::{ApiError, AppState};
+use crate::output_processor::{OutputStream, RequestOutput, StopReason};
+
+/// One engine request of an API request.
+pub struct Choice {
+    pub index: usize,
+    pub prompt_token_ids: Vec<u32>,
+    pub stream: OutputStream,
+}
+
+/// A choice run to its end.
+pub struct FinishedChoice {
+    pub index: usize,
+    pub prompt_token_ids: Vec<u32>,
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprobs>,
+    pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+    pub num_cached_tokens: u32,
+}
+
+impl FinishedChoice {
+    pub fn stop_reason_json(&self) -> serde_json::Value {
+        crate::output_processor::stop_reason_json(&self.stop_reason)
+    }
+}
+
+/// Validates the sampling fields against each prompt and starts `n` engine requests per
+/// prompt. Nothing is started unless every prompt is valid.
+pub fn start_choices(
+    state: &AppState,
+    request_id: &str,
+    prompts: Vec<Vec<u32>>,
+    max_tokens: Option<u32>,
+    logprobs: Option<u32>,
+    sampling: &SamplingFields,
+) -> Result<Vec<Choice>, ApiError> {
+    let n = sampling.n.unwrap_or(1) as usize;
+    let vocab = state.llm.client.ready.model.vocab_size;
+    let mut planned = Vec::new();
+    for prompt in &prompts {
+        let max_tokens = resolve_max_tokens(prompt.len(), max_tokens, state.llm.max_model_len())?;
+        planned.push(sampling.sampling_params(max_tokens, logprobs, vocab)?);
+    }
+    let mut choices = Vec::new();
+    for (i, (prompt, params)) in prompts.into_iter().zip(planned).enumerate() {
+        for j in 0..n {
+            let mut child = params.clone();
+            // vLLM gives each parallel sample its own seed, so the n samples differ yet
+            // the whole request stays reproducible.
+            child.seed = params.seed.map(|s| s.wrapping_add(j as u64));
+            child.n = 1;
+            let stream = state
+                .llm
+                .generate(
+                    format!("{request_id}-{i}-{j}"),
+                    prompt.clone(),
+                    child,
+                    sampling.text_options(),
+                    sampling.priority.unwrap_or(0),
+                )
+                .map_err(|e| ApiError::unavailable(format!("{e:#}")))?;
+            choices.push(Choice {
+                index: i * n + j,
+                prompt_token_ids: prompt.clone(),
+                stream,
+            });
+        }
+    }
+    Ok(choices)
+}
+
+/// Runs a choice to its end.
+pub async fn finish(mut choice: Choice) -> Result<FinishedChoice, ApiError> {
+    let mut done = FinishedChoice {
+        index: choice.index,
+        prompt_token_ids: std::mem::take(&mut choice.prompt_token_ids),
+        text: String::new(),
+        token_ids: Vec::new(),
+        logprobs: Vec::new(),
+        finish_reason: None,
+        stop_reason: None,
+        num_cached_tokens: 0,
+    };
+    while let Some(o) = choice.stream.next().await {
+        if let Some(err) = &o.error {
+            return Err(engine_error(err, done.token_ids.is_empty()));
+        }
+        done.text.push_str(&o.text);
+        done.token_ids.extend_from_slice(&o.new_token_ids);
+        done.logprobs.extend(o.logprobs.into_iter().flatten());
+        done.num_cached_tokens = o.num_cached_tokens;
+        if o.finish_reason.is_some() {
+            done.finish_reason = o.finish_reason;
+            done.stop_reason = o.stop_reason;
+        }
+    }
+    Ok(done)
+}
+
+/// Runs every choice to its end, concurrently.
+pub async fn finish_all(choices: Vec<Choice>) -> Result<Vec<FinishedChoice>, ApiError> {
+    futures::future::try_join_all(choices.into_iter().map(finish)).await
+}
+
+/// Prompt tokens of the request: each prompt counted once, however many samples it has.
+pub fn prompt_tokens(choices: &[FinishedChoice], n: usize) -> usize {
+    choices
+        .iter()
+        .filter(|c| c.index % n.max(1) == 0)
+        .map(|c| c.prompt_token_ids.len())
+        .sum()
+}
+
+/// Every choice's outputs as one stream of (choice index, output), in arrival order.
+pub fn merged(choices: Vec<Choice>) -> BoxStream<'static, (usize, RequestOutput)> {
+    let streams = choices.into_iter().map(|c| {
+        let index = c.index;
+        stream::unfold(
+            c.stream,
+            |mut s| async move { s.next().await.map(|o| (o, s)) },
+        )
+        .map(move |o| (index, o))
+        .boxed()
+    });
+    stream::select_all(streams).boxed()
+}
+
+/// An engine-side failure: a rejection before any token is the client's fault (400), a
+/// dead engine is a 503, anything else the server's fault.
+pub fn engine_error(err: &str, before_first_token: bool) -> ApiError {
+    if err.starts_with("the engine died") {
+        ApiError::unavailable(err)
+    } else if before_first_token {
+        ApiError::bad_request(err)
+    } else {
+        ApiError::internal(err)
+    }
+}
+
+pub fn random_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Seconds since the epoch, for the `created` field.
+pub fn created() -> u64 {
+    vllm_engine_core::engine_core::now() as u64
+}

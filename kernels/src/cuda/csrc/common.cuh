@@ -1,0 +1,83 @@
+// Shared definitions of every kernel: the activation dtype, its conversions, reductions.
+//
+// The sources are compiled by NVRTC without any CUDA header (so a machine with only the
+// driver and libnvrtc runs them): 16-bit floats are stored as `unsigned short` and
+// converted with single PTX instructions. The dtype is chosen at compile time with
+// -DVLLM_DTYPE_BF16 (default), -DVLLM_DTYPE_F16 or -DVLLM_DTYPE_F32; one module is
+// built per dtype, so every kernel name exists once per module.
+
+typedef unsigned short u16;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+#if defined(VLLM_DTYPE_F32)
+typedef float scalar_t;
+__device__ __forceinline__ float to_f32(scalar_t x) { return x; }
+__device__ __forceinline__ scalar_t from_f32(float x) { return x; }
+#elif defined(VLLM_DTYPE_F16)
+typedef u16 scalar_t;
+__device__ __forceinline__ float to_f32(scalar_t x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+__device__ __forceinline__ scalar_t from_f32(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+#else
+typedef u16 scalar_t;
+__device__ __forceinline__ float to_f32(scalar_t x) {
+    return __uint_as_float(((unsigned int)x) << 16);
+}
+__device__ __forceinline__ scalar_t from_f32(float x) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+#endif
+
+// Rounds through the activation dtype: where PyTorch (HF and vLLM) materialises an
+// intermediate in bf16, we round the same value the same way.
+__device__ __forceinline__ float round_t(float x) { return to_f32(from_f32(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread
+// gets the result. Safe to call repeatedly.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int num_warps = blockDim.x >> 5;
+    v = (lane < num_warps) ? partial[lane] : 0.f;
+    return warp_sum(v);
+}
+
+// Four consecutive elements as f32 (the address is 4-element aligned).
+__device__ __forceinline__ void load4(const scalar_t* p, float* out) {
+#if defined(VLLM_DTYPE_F32)
+    float4 v = *reinterpret_cast<const float4*>(p);
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+#else
+    uint2 v = *reinterpret_cast<const uint2*>(p);
+    out[0] = to_f32((u16)(v.x & 0xffffu));
+    out[1] = to_f32((u16)(v.x >> 16));
+    out[2] = to_f32((u16)(v.y & 0xffffu));
+    out[3] = to_f32((u16)(v.y >> 16));
+#endif
+}

@@ -1,0 +1,63 @@
+// RMSNorm: plain, fused with the residual add, and per attention head (Qwen3 q/k norm).
+// Sums of squares in f32; the normalised value is rounded to the dtype before the
+// weight multiply, as HF's `weight * hidden.to(dtype)` and vLLM's kernels do.
+
+extern "C" __global__ void rms_norm(const scalar_t* __restrict__ x,
+                                    const scalar_t* __restrict__ weight,
+                                    scalar_t* __restrict__ out, int hidden, float eps) {
+    const scalar_t* xr = x + (long long)blockIdx.x * hidden;
+    scalar_t* dst = out + (long long)blockIdx.x * hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = to_f32(xr[i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        dst[i] = from_f32(round_t(to_f32(xr[i]) * inv) * to_f32(weight[i]));
+    }
+}
+
+// residual += x (rounded to the dtype, as a bf16 add is); x = rms_norm(residual).
+extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
+                                              scalar_t* __restrict__ residual,
+                                              const scalar_t* __restrict__ weight, int hidden,
+                                              float eps) {
+    scalar_t* xr = x + (long long)blockIdx.x * hidden;
+    scalar_t* rr = residual + (long long)blockIdx.x * hidden;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const scalar_t z = from_f32(to_f32(xr[i]) + to_f32(rr[i]));
+        rr[i] = z;
+        const float v = to_f32(z);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        xr[i] = from_f32(round_t(to_f32(rr[i]) * inv) * to_f32(weight[i]));
+    }
+}
+
+// In place over `num_heads_total` heads of `head_dim` (rows × heads flattened); one warp
+// per head.
+extern "C" __global__ void rms_norm_per_head(scalar_t* __restrict__ x,
+                                             const scalar_t* __restrict__ weight,
+                                             int num_heads_total, int head_dim, float eps) {
+    const int warps = blockDim.x >> 5;
+    const long long head = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (head >= num_heads_total) return;
+    scalar_t* h = x + head * head_dim;
+    float ss = 0.f;
+    for (int i = lane; i < head_dim; i += 32) {
+        const float v = to_f32(h[i]);
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const float inv = 1.f / sqrtf(ss / (float)head_dim + eps);
+    for (int i = lane; i < head_dim; i += 32) {
+        h[i] = from_f32(round_t(to_f32(h[i]) * inv) * to_f32(weight[i]));
+    }
+}

@@ -1,0 +1,23 @@
+//! The CUDA side of the kernels: CUDA C sources (`csrc/`), their NVRTC build for the
+//! device's architecture with an on-disk cache, typed launch wrappers and the cuBLAS GEMM.
+//!
+//! Everything here is compiled in every build and links nothing from CUDA: the driver,
+//! NVRTC and cuBLAS are loaded at run time (`libs`), so a machine without CUDA builds and
+//! runs the CPU path, and gets a one-line error if it asks for the GPU.
+
+pub mod attention_plan;
+pub mod cache;
+pub mod device;
+pub mod dtype;
+pub mod gemm;
+pub mod libs;
+pub mod module;
+pub mod nvrtc;
+pub mod ops;
+pub mod sources;
+
+pub use attention_plan::AttentionPlan;
+pub use device::CudaDevice;
+pub use dtype::DType;
+pub use gemm::Gemm;
+pub use ops::{AttentionDims, AttentionMeta, CudaOps, SampleRow};

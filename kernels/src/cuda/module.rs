@@ -1,0 +1,115 @@
+//! Building and loading the kernel module of one dtype: the cache lookup, the NVRTC compile
+//! on a miss, the driver load, and the table of kernel functions.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use cudarc::driver::{CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+
+use super::device::{driver_error, CudaDevice};
+use super::dtype::DType;
+use super::{cache, nvrtc, sources};
+
+/// Every kernel of `csrc/`, by its `extern "C"` name.
+pub struct Functions {
+    pub embedding: CudaFunction,
+    pub rms_norm: CudaFunction,
+    pub fused_add_rms_norm: CudaFunction,
+    pub rms_norm_per_head: CudaFunction,
+    pub rotary_embedding_neox: CudaFunction,
+    pub silu_and_mul: CudaFunction,
+    pub reshape_and_cache: CudaFunction,
+    pub split_cols: CudaFunction,
+    pub gather_rows: CudaFunction,
+    pub add_bias: CudaFunction,
+    pub fill: CudaFunction,
+    pub to_float32: CudaFunction,
+    pub paged_attention_d64: CudaFunction,
+    pub paged_attention_d128: CudaFunction,
+    pub paged_attention_combine: CudaFunction,
+    pub sample_tokens: CudaFunction,
+}
+
+/// How the module was obtained (logged, and reported by the startup benchmark).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildSource {
+    Cache,
+    Compiled,
+}
+
+/// NVRTC options of one build: architecture, dtype, and precise math (the CPU reference
+/// is the judge, so no fast-math).
+pub fn compile_options(arch: &str, dtype: DType) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--fmad=true".to_string(),
+        dtype.define().to_string(),
+    ]
+}
+
+/// The CUBIN of `dtype` for `arch`, from the cache or freshly compiled (and then cached).
+pub fn cubin(arch: &str, dtype: DType) -> Result<(Vec<u8>, BuildSource)> {
+    let tu = sources::translation_unit();
+    let options = compile_options(arch, dtype);
+    let (major, minor) = nvrtc::version()?;
+    let nvrtc_version = format!("{major}.{minor}");
+    let joined = options.join(" ");
+    let key = cache::fnv1a(&[tu.as_bytes(), joined.as_bytes(), nvrtc_version.as_bytes()]);
+    let path = cache::entry_path(
+        &cache::cache_dir(),
+        &format!("{arch}-{}", dtype.name()),
+        key,
+    );
+    if let Some(bytes) = cache::load(&path) {
+        tracing::debug!(path = %path.display(), "kernel cache hit");
+        return Ok((bytes, BuildSource::Cache));
+    }
+    let started = Instant::now();
+    let bytes = nvrtc::compile_cubin(&tu, "vllm_kernels.cu", &options)?;
+    tracing::info!(
+        arch,
+        dtype = dtype.name(),
+        seconds = started.elapsed().as_secs_f32(),
+        cache = %path.display(),
+        "compiled CUDA kernels with NVRTC"
+    );
+    cache::store(&path, &bytes);
+    Ok((bytes, BuildSource::Compiled))
+}
+
+/// Loads the module of `dtype` on `dev` and looks up every kernel.
+pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Functions, BuildSource)> {
+    let (bytes, source) = cubin(&dev.arch(), dtype)?;
+    let module = dev
+        .ctx
+        .load_module(Ptx::from_binary(bytes))
+        .map_err(|e| driver_error("loading the kernel CUBIN", e))?;
+    let f = |name: &str| -> Result<CudaFunction> {
+        module
+            .load_function(name)
+            .map_err(|e| driver_error(&format!("looking up kernel {name}"), e))
+            .context("the kernel cache may be stale: delete it (see VLLM_RS_KERNEL_CACHE)")
+    };
+    let functions = Functions {
+        embedding: f("embedding")?,
+        rms_norm: f("rms_norm")?,
+        fused_add_rms_norm: f("fused_add_rms_norm")?,
+        rms_norm_per_head: f("rms_norm_per_head")?,
+        rotary_embedding_neox: f("rotary_embedding_neox")?,
+        silu_and_mul: f("silu_and_mul")?,
+        reshape_and_cache: f("reshape_and_cache")?,
+        split_cols: f("split_cols")?,
+        gather_rows: f("gather_rows")?,
+        add_bias: f("add_bias")?,
+        fill: f("fill")?,
+        to_float32: f("to_float32")?,
+        paged_attention_d64: f("paged_attention_d64")?,
+        paged_attention_d128: f("paged_attention_d128")?,
+        paged_attention_combine: f("paged_attention_combine")?,
+        sample_tokens: f("sample_tokens")?,
+    };
+    Ok((module, functions, source))
+}

@@ -1,0 +1,627 @@
+//! `CudaOps`: typed launch wrappers of every kernel of one dtype's module.
+//!
+//! Floating-point tensors are untyped byte buffers (`CudaSlice<u8>`) holding `dtype`
+//! elements; metadata is `CudaSlice<i32>`. Each wrapper checks the buffer sizes against the
+//! shape it is given before launching, so a shape bug is an error, not a stray write.
+
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::{
+    CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::attention_plan::{AttentionPlan, ATT_THREADS};
+use super::device::{driver_error, CudaDevice};
+use super::dtype::DType;
+use super::module::{self, BuildSource, Functions};
+
+/// One row's sampling parameters (`SampleRow` in sampling.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SampleRow {
+    pub temperature: f32,
+    /// <= 0: off.
+    pub top_k: i32,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// The row's uniform draw in [0, 1).
+    pub uniform: f64,
+}
+// SAFETY: repr(C) plain data, the layout of the CUDA struct.
+unsafe impl DeviceRepr for SampleRow {}
+
+/// `AttentionArgs` of attention.cu, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct AttentionArgs {
+    q: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: u64,
+    seq_lens: u64,
+    query_start_loc: u64,
+    tile_seq: u64,
+    tile_token: u64,
+    out: u64,
+    part_o: u64,
+    part_ml: u64,
+    num_tokens: i32,
+    num_q_heads: i32,
+    num_kv_heads: i32,
+    block_size: i32,
+    max_blocks_per_seq: i32,
+    tokens_per_tile: i32,
+    split_keys: i32,
+    scale: f32,
+}
+// SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
+unsafe impl DeviceRepr for AttentionArgs {}
+
+/// Device metadata of one attention launch (see `paged_attention`).
+pub struct AttentionMeta<'a> {
+    pub block_tables: &'a CudaSlice<i32>,
+    pub max_blocks_per_seq: usize,
+    pub seq_lens: &'a CudaSlice<i32>,
+    pub query_start_loc: &'a CudaSlice<i32>,
+    pub tile_seq: &'a CudaSlice<i32>,
+    pub tile_token: &'a CudaSlice<i32>,
+    pub plan: &'a AttentionPlan,
+}
+
+/// Static shape of an attention problem.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionDims {
+    pub num_tokens: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+pub struct CudaOps {
+    pub dtype: DType,
+    pub stream: Arc<CudaStream>,
+    pub num_sms: usize,
+    pub build_source: BuildSource,
+    f: Functions,
+    _module: Arc<CudaModule>,
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| anyhow::anyhow!("{what} = {v} does not fit the kernels' i32"))
+}
+
+fn grid_stride(n: usize, num_sms: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, num_sms * 16);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Threads for a one-block-per-row reduction over `cols`: a multiple of 32, at most 1024.
+fn row_threads(cols: usize) -> u32 {
+    (cols.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+impl CudaOps {
+    /// Builds (or loads from the cache) the module of `dtype` for `dev`.
+    pub fn new(dev: &CudaDevice, dtype: DType) -> Result<Self> {
+        let (module, f, build_source) = module::load(dev, dtype)?;
+        Ok(Self {
+            dtype,
+            stream: dev.stream.clone(),
+            num_sms: dev.num_sms,
+            build_source,
+            f,
+            _module: module,
+        })
+    }
+
+    fn check(&self, buf: &CudaSlice<u8>, elems: usize, what: &str) -> Result<()> {
+        let need = elems * self.dtype.size();
+        ensure!(
+            buf.len() >= need,
+            "{what}: buffer of {} bytes, {elems} {} elements need {need}",
+            buf.len(),
+            self.dtype.name()
+        );
+        Ok(())
+    }
+
+    fn check_ints(buf: &CudaSlice<i32>, n: usize, what: &str) -> Result<()> {
+        ensure!(buf.len() >= n, "{what}: {} ints, need {n}", buf.len());
+        Ok(())
+    }
+
+    /// Allocates `elems` elements of the dtype, uninitialised.
+    pub fn alloc(&self, elems: usize) -> Result<CudaSlice<u8>> {
+        // SAFETY: every kernel writes its whole output before anyone reads it; tests
+        // poison outputs with `fill` to check exactly that.
+        unsafe { self.stream.alloc::<u8>(elems.max(1) * self.dtype.size()) }
+            .map_err(|e| driver_error(&format!("allocating {elems} elements"), e))
+    }
+
+    pub fn alloc_zeros(&self, elems: usize) -> Result<CudaSlice<u8>> {
+        self.stream
+            .alloc_zeros::<u8>(elems.max(1) * self.dtype.size())
+            .map_err(|e| driver_error(&format!("allocating {elems} elements"), e))
+    }
+
+    /// `out[t] = table[ids[t] - vocab_start]`, zeros outside the shard.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding(
+        &self,
+        ids: &CudaSlice<i32>,
+        table: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        num_tokens: usize,
+        hidden: usize,
+        vocab_start: usize,
+        shard_rows: usize,
+    ) -> Result<()> {
+        if num_tokens == 0 {
+            return Ok(());
+        }
+        Self::check_ints(ids, num_tokens, "embedding ids")?;
+        self.check(table, shard_rows * hidden, "embedding table")?;
+        self.check(out, num_tokens * hidden, "embedding out")?;
+        let (h, vs, rows) = (
+            i32_of(hidden, "hidden")?,
+            i32_of(vocab_start, "vocab_start")?,
+            i32_of(shard_rows, "vocab rows")?,
+        );
+        let mut b = self.stream.launch_builder(&self.f.embedding);
+        b.arg(ids).arg(table).arg(out).arg(&h).arg(&vs).arg(&rows);
+        // SAFETY: sizes checked above; the kernel reads ids[t] for t < grid.
+        unsafe { b.launch(rows_cfg(num_tokens, 256)) }
+            .map_err(|e| driver_error("launching embedding", e))?;
+        Ok(())
+    }
+
+    pub fn rms_norm(
+        &self,
+        x: &CudaSlice<u8>,
+        weight: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        self.check(x, rows * hidden, "rms_norm x")?;
+        self.check(weight, hidden, "rms_norm weight")?;
+        self.check(out, rows * hidden, "rms_norm out")?;
+        let h = i32_of(hidden, "hidden")?;
+        let mut b = self.stream.launch_builder(&self.f.rms_norm);
+        b.arg(x).arg(weight).arg(out).arg(&h).arg(&eps);
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(rows_cfg(rows, row_threads(hidden))) }
+            .map_err(|e| driver_error("launching rms_norm", e))?;
+        Ok(())
+    }
+
+    pub fn fused_add_rms_norm(
+        &self,
+        x: &mut CudaSlice<u8>,
+        residual: &mut CudaSlice<u8>,
+        weight: &CudaSlice<u8>,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        self.check(x, rows * hidden, "fused_add_rms_norm x")?;
+        self.check(residual, rows * hidden, "fused_add_rms_norm residual")?;
+        self.check(weight, hidden, "fused_add_rms_norm weight")?;
+        let h = i32_of(hidden, "hidden")?;
+        let mut b = self.stream.launch_builder(&self.f.fused_add_rms_norm);
+        b.arg(x).arg(residual).arg(weight).arg(&h).arg(&eps);
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(rows_cfg(rows, row_threads(hidden))) }
+            .map_err(|e| driver_error("launching fused_add_rms_norm", e))?;
+        Ok(())
+    }
+
+    /// In place over `num_heads_total` heads of `head_dim`.
+    pub fn rms_norm_per_head(
+        &self,
+        x: &mut CudaSlice<u8>,
+        weight: &CudaSlice<u8>,
+        num_heads_total: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if num_heads_total == 0 {
+            return Ok(());
+        }
+        self.check(x, num_heads_total * head_dim, "rms_norm_per_head x")?;
+        self.check(weight, head_dim, "rms_norm_per_head weight")?;
+        let (n, d) = (
+            i32_of(num_heads_total, "heads")?,
+            i32_of(head_dim, "head_dim")?,
+        );
+        let mut b = self.stream.launch_builder(&self.f.rms_norm_per_head);
+        b.arg(x).arg(weight).arg(&n).arg(&d).arg(&eps);
+        // SAFETY: sizes checked above; 4 heads (warps) per block.
+        unsafe { b.launch(rows_cfg(num_heads_total.div_ceil(4), 128)) }
+            .map_err(|e| driver_error("launching rms_norm_per_head", e))?;
+        Ok(())
+    }
+
+    /// Neox rotary of q [T, q_heads, D] and k [T, k_heads, D] in place. Positions must
+    /// be inside the table (the caller checks them on the host).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rotary_embedding_neox(
+        &self,
+        positions: &CudaSlice<i32>,
+        q: &mut CudaSlice<u8>,
+        k: &mut CudaSlice<u8>,
+        cos_sin: &CudaSlice<u8>,
+        num_tokens: usize,
+        num_q_heads: usize,
+        num_k_heads: usize,
+        head_dim: usize,
+        rotary_dim: usize,
+    ) -> Result<()> {
+        if num_tokens == 0 {
+            return Ok(());
+        }
+        ensure!(
+            rotary_dim <= head_dim && rotary_dim.is_multiple_of(2),
+            "rotary: rotary_dim {rotary_dim} vs head_dim {head_dim}"
+        );
+        Self::check_ints(positions, num_tokens, "rotary positions")?;
+        self.check(q, num_tokens * num_q_heads * head_dim, "rotary q")?;
+        self.check(k, num_tokens * num_k_heads * head_dim, "rotary k")?;
+        let (qh, kh, d, r) = (
+            i32_of(num_q_heads, "q heads")?,
+            i32_of(num_k_heads, "k heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(rotary_dim, "rotary_dim")?,
+        );
+        let mut b = self.stream.launch_builder(&self.f.rotary_embedding_neox);
+        b.arg(positions)
+            .arg(q)
+            .arg(k)
+            .arg(cos_sin)
+            .arg(&qh)
+            .arg(&kh)
+            .arg(&d)
+            .arg(&r);
+        // SAFETY: sizes checked above; positions are checked by the caller.
+        unsafe { b.launch(rows_cfg(num_tokens, 256)) }
+            .map_err(|e| driver_error("launching rotary_embedding_neox", e))?;
+        Ok(())
+    }
+
+    /// [rows, 2d] → [rows, d].
+    pub fn silu_and_mul(
+        &self,
+        x: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        rows: usize,
+        d: usize,
+    ) -> Result<()> {
+        if rows * d == 0 {
+            return Ok(());
+        }
+        self.check(x, rows * 2 * d, "silu_and_mul x")?;
+        self.check(out, rows * d, "silu_and_mul out")?;
+        let (r, dd) = (rows as i64, i32_of(d, "d")?);
+        let mut b = self.stream.launch_builder(&self.f.silu_and_mul);
+        b.arg(x).arg(out).arg(&r).arg(&dd);
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(grid_stride(rows * d, self.num_sms)) }
+            .map_err(|e| driver_error("launching silu_and_mul", e))?;
+        Ok(())
+    }
+
+    /// Writes K and V rows [T, kv_row] at their slots; negative slots are skipped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reshape_and_cache(
+        &self,
+        key: &CudaSlice<u8>,
+        value: &CudaSlice<u8>,
+        key_cache: &mut CudaSlice<u8>,
+        value_cache: &mut CudaSlice<u8>,
+        slot_mapping: &CudaSlice<i32>,
+        num_tokens: usize,
+        kv_row: usize,
+    ) -> Result<()> {
+        if num_tokens == 0 {
+            return Ok(());
+        }
+        self.check(key, num_tokens * kv_row, "reshape_and_cache key")?;
+        self.check(value, num_tokens * kv_row, "reshape_and_cache value")?;
+        Self::check_ints(slot_mapping, num_tokens, "slot_mapping")?;
+        ensure!(
+            key_cache.len() == value_cache.len(),
+            "reshape_and_cache: K and V caches differ in size"
+        );
+        let row = i32_of(kv_row, "kv_row")?;
+        let mut b = self.stream.launch_builder(&self.f.reshape_and_cache);
+        b.arg(key)
+            .arg(value)
+            .arg(key_cache)
+            .arg(value_cache)
+            .arg(slot_mapping)
+            .arg(&row);
+        // SAFETY: sizes checked above; slots are checked against the pool by the caller.
+        unsafe { b.launch(rows_cfg(num_tokens, 256)) }
+            .map_err(|e| driver_error("launching reshape_and_cache", e))?;
+        Ok(())
+    }
+
+    /// out [rows, width] = x[:, start..start + width] of x [rows, cols].
+    pub fn split_cols(
+        &self,
+        x: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+        start: usize,
+        width: usize,
+    ) -> Result<()> {
+        if rows * width == 0 {
+            return Ok(());
+        }
+        ensure!(
+            start + width <= cols,
+            "split_cols: {start}+{width} > {cols}"
+        );
+        self.check(x, rows * cols, "split_cols x")?;
+        self.check(out, rows * width, "split_cols out")?;
+        let (r, c, s, w) = (
+            rows as i64,
+            i32_of(cols, "cols")?,
+            i32_of(start, "start")?,
+            i32_of(width, "width")?,
+        );
+        let mut b = self.stream.launch_builder(&self.f.split_cols);
+        b.arg(x).arg(out).arg(&r).arg(&c).arg(&s).arg(&w);
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(grid_stride(rows * width, self.num_sms)) }
+            .map_err(|e| driver_error("launching split_cols", e))?;
+        Ok(())
+    }
+
+    /// out[i] = x[indices[i]] for `n` rows of `cols` (indices checked by the caller).
+    pub fn gather_rows(
+        &self,
+        x: &CudaSlice<u8>,
+        indices: &CudaSlice<i32>,
+        out: &mut CudaSlice<u8>,
+        n: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        Self::check_ints(indices, n, "gather_rows indices")?;
+        self.check(out, n * cols, "gather_rows out")?;
+        let c = i32_of(cols, "cols")?;
+        let mut b = self.stream.launch_builder(&self.f.gather_rows);
+        b.arg(x).arg(indices).arg(out).arg(&c);
+        // SAFETY: out checked above; indices are checked against x's rows by the caller.
+        unsafe { b.launch(rows_cfg(n, 256)) }
+            .map_err(|e| driver_error("launching gather_rows", e))?;
+        Ok(())
+    }
+
+    /// y [rows, cols] += bias [cols].
+    pub fn add_bias(
+        &self,
+        y: &mut CudaSlice<u8>,
+        bias: &CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        self.check(y, rows * cols, "add_bias y")?;
+        self.check(bias, cols, "add_bias bias")?;
+        let (r, c) = (rows as i64, i32_of(cols, "cols")?);
+        let mut b = self.stream.launch_builder(&self.f.add_bias);
+        b.arg(y).arg(bias).arg(&r).arg(&c);
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(grid_stride(rows * cols, self.num_sms)) }
+            .map_err(|e| driver_error("launching add_bias", e))?;
+        Ok(())
+    }
+
+    /// Sets `n` elements to `value` (NaN to poison outputs in tests).
+    pub fn fill(&self, y: &mut CudaSlice<u8>, n: usize, value: f32) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.check(y, n, "fill")?;
+        let nn = n as i64;
+        let mut b = self.stream.launch_builder(&self.f.fill);
+        b.arg(y).arg(&nn).arg(&value);
+        // SAFETY: size checked above.
+        unsafe { b.launch(grid_stride(n, self.num_sms)) }
+            .map_err(|e| driver_error("launching fill", e))?;
+        Ok(())
+    }
+
+    /// `n` dtype elements to f32.
+    pub fn to_float32(&self, x: &CudaSlice<u8>, y: &mut CudaSlice<f32>, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.check(x, n, "to_float32 x")?;
+        ensure!(y.len() >= n, "to_float32: output of {} for {n}", y.len());
+        let nn = n as i64;
+        let mut b = self.stream.launch_builder(&self.f.to_float32);
+        b.arg(x).arg(y).arg(&nn);
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(grid_stride(n, self.num_sms)) }
+            .map_err(|e| driver_error("launching to_float32", e))?;
+        Ok(())
+    }
+
+    /// Paged attention of q [T, Hq, D] over the caches, into out [T, Hq, D].
+    pub fn paged_attention(
+        &self,
+        q: &CudaSlice<u8>,
+        key_cache: &CudaSlice<u8>,
+        value_cache: &CudaSlice<u8>,
+        meta: &AttentionMeta,
+        dims: AttentionDims,
+        scale: f32,
+        out: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let AttentionDims {
+            num_tokens,
+            num_q_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+        } = dims;
+        let plan = meta.plan;
+        if num_tokens == 0 || plan.num_tiles() == 0 {
+            return Ok(());
+        }
+        let func = match head_dim {
+            64 => &self.f.paged_attention_d64,
+            128 => &self.f.paged_attention_d128,
+            d => bail!("paged attention: head_dim {d} has no kernel (supported: 64, 128)"),
+        };
+        let rows = num_tokens * num_q_heads;
+        self.check(q, rows * head_dim, "attention q")?;
+        self.check(out, rows * head_dim, "attention out")?;
+        ensure!(
+            key_cache.len() == value_cache.len(),
+            "attention: K and V caches differ in size"
+        );
+        let num_seqs = meta.seq_lens.len();
+        Self::check_ints(meta.query_start_loc, num_seqs + 1, "query_start_loc")?;
+        Self::check_ints(
+            meta.block_tables,
+            num_seqs * meta.max_blocks_per_seq,
+            "block_tables",
+        )?;
+        Self::check_ints(meta.tile_seq, plan.num_tiles(), "tile_seq")?;
+        Self::check_ints(meta.tile_token, plan.num_tiles(), "tile_token")?;
+
+        let splits = plan.num_splits;
+        let (part_o, part_ml) = if splits > 1 {
+            // SAFETY: every (split, row) partial is written before the combine reads it.
+            let o = unsafe { self.stream.alloc::<f32>(splits * rows * head_dim) }
+                .map_err(|e| driver_error("allocating attention partials", e))?;
+            // SAFETY: as above.
+            let ml = unsafe { self.stream.alloc::<f32>(splits * rows * 2) }
+                .map_err(|e| driver_error("allocating attention partials", e))?;
+            (Some(o), Some(ml))
+        } else {
+            (None, None)
+        };
+        {
+            let s = &self.stream;
+            let (q_p, _g0) = q.device_ptr(s);
+            let (kc_p, _g1) = key_cache.device_ptr(s);
+            let (vc_p, _g2) = value_cache.device_ptr(s);
+            let (bt_p, _g3) = meta.block_tables.device_ptr(s);
+            let (sl_p, _g4) = meta.seq_lens.device_ptr(s);
+            let (qs_p, _g5) = meta.query_start_loc.device_ptr(s);
+            let (ts_p, _g6) = meta.tile_seq.device_ptr(s);
+            let (tt_p, _g7) = meta.tile_token.device_ptr(s);
+            let (out_p, _g8) = out.device_ptr(s);
+            let (po_p, _g9) = part_o.as_ref().map(|p| p.device_ptr(s)).unzip();
+            let (pm_p, _g10) = part_ml.as_ref().map(|p| p.device_ptr(s)).unzip();
+            let args = AttentionArgs {
+                q: q_p,
+                key_cache: kc_p,
+                value_cache: vc_p,
+                block_tables: bt_p,
+                seq_lens: sl_p,
+                query_start_loc: qs_p,
+                tile_seq: ts_p,
+                tile_token: tt_p,
+                out: out_p,
+                part_o: po_p.unwrap_or(0),
+                part_ml: pm_p.unwrap_or(0),
+                num_tokens: i32_of(num_tokens, "num_tokens")?,
+                num_q_heads: i32_of(num_q_heads, "q heads")?,
+                num_kv_heads: i32_of(num_kv_heads, "kv heads")?,
+                block_size: i32_of(block_size, "block_size")?,
+                max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
+                tokens_per_tile: i32_of(plan.tokens_per_tile, "tokens_per_tile")?,
+                split_keys: plan.split_keys.min(i32::MAX as usize) as i32,
+                scale,
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (plan.num_tiles() as u32, num_kv_heads as u32, splits as u32),
+                block_dim: (ATT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(func);
+            b.arg(&args);
+            // SAFETY: buffer sizes checked above; block tables and seq_lens are checked on the
+            // host by the caller, which holds their host copies. The pointer guards end with
+            // this scope, before `out` is borrowed again.
+            unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching paged_attention", e))?;
+        }
+        if let (Some(po), Some(pm)) = (&part_o, &part_ml) {
+            let (nr, d, ns) = (
+                i32_of(rows, "rows")?,
+                i32_of(head_dim, "head_dim")?,
+                i32_of(splits, "splits")?,
+            );
+            let mut b = self.stream.launch_builder(&self.f.paged_attention_combine);
+            b.arg(po).arg(pm).arg(out).arg(&nr).arg(&d).arg(&ns);
+            // SAFETY: partials sized for (splits, rows) above.
+            unsafe { b.launch(rows_cfg(rows, head_dim as u32)) }
+                .map_err(|e| driver_error("launching paged_attention_combine", e))?;
+        }
+        Ok(())
+    }
+
+    /// One token per logits row [rows, vocab] with the rows' parameters.
+    pub fn sample_tokens(
+        &self,
+        logits: &CudaSlice<u8>,
+        params: &CudaSlice<SampleRow>,
+        out: &mut CudaSlice<i32>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        self.check(logits, rows * vocab, "sample logits")?;
+        ensure!(
+            params.len() >= rows,
+            "sample: {} params for {rows} rows",
+            params.len()
+        );
+        ensure!(
+            out.len() >= rows,
+            "sample: {} outputs for {rows} rows",
+            out.len()
+        );
+        let v = i32_of(vocab, "vocab")?;
+        let mut b = self.stream.launch_builder(&self.f.sample_tokens);
+        b.arg(logits).arg(&v).arg(params).arg(out);
+        // SAFETY: sizes checked above.
+        unsafe { b.launch(rows_cfg(rows, 1024)) }
+            .map_err(|e| driver_error("launching sample_tokens", e))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,24 @@
+//! The CUDA sources compile with NVRTC for Hopper in every dtype. Needs only libnvrtc (no
+//! GPU), so it also runs on a build machine that has NVRTC; without it, it says SKIPPED.
+
+use vllm_kernels::cuda::{libs, module, nvrtc, sources, DType};
+
+#[test]
+fn kernels_compile_for_sm90_in_every_dtype() {
+    // SAFETY: only tries to dlopen the library by name.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        eprintln!(
+            "SKIPPED: NVRTC (libnvrtc.so.13) not found; {}",
+            libs::cuda_home().display()
+        );
+        return;
+    }
+    let tu = sources::translation_unit();
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let options = module::compile_options("sm_90", dtype);
+        match nvrtc::compile_cubin(&tu, "vllm_kernels.cu", &options) {
+            Ok(cubin) => assert!(cubin.len() > 1000, "{dtype:?}: tiny cubin"),
+            Err(e) => panic!("{dtype:?}: {e:#}"),
+        }
+    }
+}

@@ -1,0 +1,361 @@
+//! The OpenAI-compatible API over real HTTP against the real processes: every endpoint,
+//! the validation errors, streaming, stop strings, seeds, logprobs and many clients.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{metric, post_json, sse_events, Server};
+use serde_json::{json, Value};
+
+async fn completion(server: &Server, body: Value) -> Value {
+    let (status, body) = post_json(server, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+async fn stream_text(server: &Server, body: Value) -> (String, Vec<Value>) {
+    let text = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send")
+        .text()
+        .await
+        .expect("body");
+    let events = sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect();
+    let assembled = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    (assembled, chunks)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_endpoint_answers() {
+    let server = Server::start(&[]);
+    let models: Value = reqwest::get(server.url("/v1/models"))
+        .await
+        .expect("models")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(models["data"][0]["id"], "tiny");
+    assert_eq!(models["data"][0]["max_model_len"], 32768);
+    let version: Value = reqwest::get(server.url("/version"))
+        .await
+        .expect("version")
+        .json()
+        .await
+        .expect("json");
+    assert!(version["version"].is_string());
+    assert_eq!(common::http_status(&server.url("/health")), Ok(200));
+
+    let (status, tokens) = post_json(&server, "/tokenize", &json!({"prompt": "héllo"})).await;
+    assert_eq!(status, 200, "{tokens}");
+    assert_eq!(tokens["count"], 6, "byte-level: é is two bytes");
+    let (status, text) =
+        post_json(&server, "/detokenize", &json!({"tokens": tokens["tokens"]})).await;
+    assert_eq!(status, 200);
+    assert_eq!(text["prompt"], "héllo");
+
+    completion(
+        &server,
+        json!({"prompt": "x", "max_tokens": 3, "ignore_eos": true}),
+    )
+    .await;
+    let text = reqwest::get(server.url("/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with(name) && l.contains("model_name=\"tiny\"")),
+            "{name} missing:\n{text}"
+        );
+    }
+    assert_eq!(metric(&server, "vllm:generation_tokens_total").await, 3.0);
+    assert!(
+        text.contains(
+            "vllm:request_success_total{model_name=\"tiny\",finished_reason=\"length\"} 1"
+        ),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn invalid_requests_get_openai_shaped_errors() {
+    let server = Server::start(&[]);
+    let cases = [
+        (
+            json!({"prompt": "x", "top_p": 1.5}),
+            400,
+            "top_p must be in (0, 1], got 1.5.",
+        ),
+        (
+            json!({"prompt": "x", "temperature": -1.0}),
+            400,
+            "temperature must be non-negative",
+        ),
+        (json!({"prompt": "x", "n": 0}), 400, "n must be at least 1"),
+        (
+            json!({"prompt": "x", "max_tokens": 0}),
+            400,
+            "max_tokens must be at least 1",
+        ),
+        (
+            json!({"prompt": "x", "min_tokens": 9, "max_tokens": 3}),
+            400,
+            "min_tokens must be less than or equal to max_tokens",
+        ),
+        (
+            json!({"prompt": "x", "presence_penalty": 3.0}),
+            400,
+            "presence_penalty must be in [-2, 2]",
+        ),
+        (
+            json!({"prompt": "x", "logit_bias": {"abc": 1.0}}),
+            400,
+            "logit_bias",
+        ),
+        (
+            json!({"prompt": "x", "stop_token_ids": [999999]}),
+            400,
+            "stop_token_ids",
+        ),
+        (json!({"prompt": "x", "logprobs": 50}), 400, "logprobs"),
+        (
+            json!({"prompt": "x", "best_of_n_tries": 2}),
+            400,
+            "Unsupported field `best_of_n_tries`",
+        ),
+        (json!({"prompt": ""}), 400, "must not be empty"),
+        (
+            json!({"prompt": "x", "model": "nope"}),
+            404,
+            "The model `nope` does not exist.",
+        ),
+        (json!({"prompt": [999999]}), 400, "out of vocabulary"),
+    ];
+    for (body, status, message) in cases {
+        let (got, err) = post_json(&server, "/v1/completions", &body).await;
+        assert_eq!(got, status, "{body} → {err}");
+        let text = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            text.contains(message),
+            "{body}: expected {message:?} in {err}"
+        );
+        assert_eq!(err["error"]["code"], status, "{err}");
+        assert!(err["error"]["type"].is_string(), "{err}");
+    }
+    let long: Vec<u32> = vec![97; 40000];
+    let (got, err) = post_json(&server, "/v1/completions", &json!({"prompt": long})).await;
+    assert_eq!(got, 400);
+    let text = err["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("32768") && text.contains("40000"),
+        "both lengths: {text}"
+    );
+    completion(&server, json!({"prompt": "still serving", "max_tokens": 2})).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_api_key_guards_v1() {
+    let server = Server::start(&["--api-key", "sesame"]);
+    let (status, body) = post_json(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 401, "{body}");
+    let resp = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .bearer_auth("wrong")
+        .json(&json!({"prompt": "x", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 401);
+    let resp = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .bearer_auth("sesame")
+        .json(&json!({"prompt": "x", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        common::http_status(&server.url("/health")),
+        Ok(200),
+        "/health stays open"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_assembled_equals_the_whole_response() {
+    let server = Server::start(&[]);
+    let request = json!({"prompt": "Once upon", "max_tokens": 40, "temperature": 0.8, "seed": 11, "ignore_eos": true});
+    let whole = completion(&server, request.clone()).await;
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (text, chunks) = stream_text(&server, streamed).await;
+    assert_eq!(text, whole["choices"][0]["text"].as_str().expect("text"));
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("length")]);
+    let usage = &chunks.last().expect("usage chunk")["usage"];
+    assert_eq!(usage, &whole["usage"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_strings_match_across_tokens() {
+    let server = Server::start(&[]);
+    let prompt = json!({"prompt": "The stop test", "max_tokens": 60, "temperature": 0.0, "ignore_eos": true, "return_token_ids": true});
+    let free = completion(&server, prompt.clone()).await;
+    let ids: Vec<u32> =
+        serde_json::from_value(free["choices"][0]["token_ids"].clone()).expect("ids");
+    let full = free["choices"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_string();
+    // Two adjacent single-byte printable tokens make a stop string that spans a token boundary.
+    let pair = ids
+        .windows(2)
+        .position(|w| w.iter().all(|&t| (33..127).contains(&t)))
+        .expect("two printable tokens in a row");
+    let stop: String = ids[pair..pair + 2]
+        .iter()
+        .map(|&t| t as u8 as char)
+        .collect();
+    let cut = full.find(&stop).expect("stop string occurs in the text");
+
+    let mut stopped = prompt.clone();
+    stopped["stop"] = json!([stop]);
+    let body = completion(&server, stopped.clone()).await;
+    assert_eq!(body["choices"][0]["text"], full[..cut]);
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    assert_eq!(body["choices"][0]["stop_reason"], stop);
+
+    stopped["include_stop_str_in_output"] = json!(true);
+    stopped["stream"] = json!(true);
+    let (text, _) = stream_text(&server, stopped).await;
+    assert_eq!(text, full[..cut + stop.len()]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn n_samples_with_a_seed_are_reproducible() {
+    let server = Server::start(&[]);
+    let request = json!({"prompt": "Seeds", "n": 3, "seed": 1234, "max_tokens": 16, "temperature": 1.0, "ignore_eos": true});
+    let a = completion(&server, request.clone()).await;
+    let b = completion(&server, request).await;
+    let texts = |v: &Value| -> Vec<String> {
+        v["choices"]
+            .as_array()
+            .expect("choices")
+            .iter()
+            .map(|c| c["text"].as_str().unwrap_or("").to_string())
+            .collect()
+    };
+    assert_eq!(texts(&a).len(), 3);
+    assert_eq!(texts(&a), texts(&b));
+    assert!(
+        texts(&a)[0] != texts(&a)[1] || texts(&a)[1] != texts(&a)[2],
+        "the samples should differ: {:?}",
+        texts(&a)
+    );
+    assert_eq!(a["usage"]["prompt_tokens"], 5, "one prompt counted once");
+    assert_eq!(a["usage"]["completion_tokens"], 48);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn logprobs_agree_with_the_sampled_tokens() {
+    let server = Server::start(&[]);
+    let body = completion(&server, json!({"prompt": "Logprobs", "max_tokens": 12, "temperature": 0.0, "logprobs": 3, "ignore_eos": true, "return_token_ids": true, "return_tokens_as_token_ids": true})).await;
+    let lp = &body["choices"][0]["logprobs"];
+    let tokens = lp["tokens"].as_array().expect("tokens");
+    let ids = body["choices"][0]["token_ids"]
+        .as_array()
+        .expect("token_ids");
+    assert_eq!(tokens.len(), 12);
+    let named: Vec<String> = ids.iter().map(|id| format!("token_id:{id}")).collect();
+    assert_eq!(
+        tokens.iter().filter_map(Value::as_str).collect::<Vec<_>>(),
+        named,
+        "logprob tokens are the sampled tokens"
+    );
+    for (i, token) in tokens.iter().enumerate() {
+        let logprob = lp["token_logprobs"][i].as_f64().expect("logprob");
+        let top = lp["top_logprobs"][i].as_object().expect("top");
+        assert!(logprob <= 0.0);
+        assert!(!top.is_empty() && top.len() <= 3);
+        // Greedy picks the most likely token, so it tops the list with the same logprob.
+        let best = top
+            .values()
+            .filter_map(Value::as_f64)
+            .fold(f64::MIN, f64::max);
+        assert!(
+            (best - logprob).abs() < 1e-4,
+            "token {i}: {token} has {logprob}, best {best}"
+        );
+        assert!(
+            top.get(token.as_str().unwrap_or("")).is_some(),
+            "token {i} {token} not among {top:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sixty_four_streaming_clients_all_complete() {
+    let server = Server::start(&[]);
+    let clients = (0..64).map(|i| {
+        let server = &server;
+        async move {
+            let body = json!({"prompt": format!("client {i}"), "max_tokens": 10, "stream": true, "ignore_eos": true, "seed": i});
+            stream_text(server, body).await
+        }
+    });
+    for (i, (_, chunks)) in futures::future::join_all(clients)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let finished = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["finish_reason"] == "length")
+            .count();
+        assert_eq!(finished, 1, "client {i}");
+    }
+    let start = Instant::now();
+    while metric(&server, "vllm:num_requests_running").await != 0.0 {
+        assert!(start.elapsed() < Duration::from_secs(5));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(&server, "vllm:kv_cache_usage_perc").await, 0.0);
+}

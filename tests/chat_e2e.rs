@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::Server;
+use common::{tiny_model, Server};
 use serde_json::{json, Value};
 
 async fn post(server: &Server, body: Value) -> (u16, Value) {
@@ -31,7 +31,11 @@ async fn post_stream(server: &Server, body: Value) -> Vec<Value> {
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .collect();
-    assert_eq!(data.last(), Some(&"[DONE]"), "stream must end with [DONE]:\n{text}");
+    assert_eq!(
+        data.last(),
+        Some(&"[DONE]"),
+        "stream must end with [DONE]:\n{text}"
+    );
     assert_eq!(data.iter().filter(|d| **d == "[DONE]").count(), 1, "{text}");
     data[..data.len() - 1]
         .iter()
@@ -43,11 +47,17 @@ fn user(content: &str) -> Value {
     json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}])
 }
 
-/// The ChatML rendering of [`user`] is byte-level tokenized: one token per byte of text,
-/// one per special token.
+/// Tokens of `text` under the tiny model's tokenizer, with no special tokens added.
+fn tokens(text: &str) -> u64 {
+    let tok = vllm_frontend::tokenizer::Tokenizer::from_model_dir(tiny_model()).expect("tokenizer");
+    tok.encode(text, false).expect("encode").len() as u64
+}
+
+/// Prompt tokens of [`user`] rendered by the tiny model's ChatML template.
 fn chatml_prompt_tokens(content: &str) -> u64 {
-    let text = format!("system\nBe brief.\nuser\n{content}\nassistant\n");
-    (text.len() + 5) as u64
+    tokens(&format!(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -61,7 +71,10 @@ async fn chat_completion_works() {
     .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "chat.completion");
-    assert!(body["id"].as_str().unwrap().starts_with("chatcmpl-"), "{body}");
+    assert!(
+        body["id"].as_str().unwrap().starts_with("chatcmpl-"),
+        "{body}"
+    );
     assert_eq!(body["model"], "tiny");
     let choice = &body["choices"][0];
     assert_eq!(choice["index"], 0);
@@ -70,7 +83,10 @@ async fn chat_completion_works() {
     assert_eq!(choice["finish_reason"], "length");
     assert!(choice["logprobs"].is_null());
     assert_eq!(body["usage"]["completion_tokens"], 8);
-    assert_eq!(body["usage"]["prompt_tokens"], chatml_prompt_tokens("Hello"));
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        chatml_prompt_tokens("Hello")
+    );
     assert_eq!(
         body["usage"]["total_tokens"],
         chatml_prompt_tokens("Hello") + 8
@@ -93,7 +109,10 @@ async fn chat_completion_works() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["usage"]["prompt_tokens"], ("user\na\nb\n".len() + 2) as u64);
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        tokens("<|im_start|>user\na\nb<|im_end|>\n")
+    );
 
     // n = 2: two choices, one prompt counted once.
     let (status, body) = post(
@@ -123,7 +142,10 @@ async fn streamed_equals_non_streamed() {
     // First the role, then content deltas, one finish_reason, then the usage chunk.
     let first = &chunks[0];
     assert_eq!(first["object"], "chat.completion.chunk");
-    assert_eq!(first["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    assert_eq!(
+        first["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
     assert!(first["choices"][0]["finish_reason"].is_null());
     let usage_chunk = chunks.last().unwrap();
     assert_eq!(usage_chunk["choices"], json!([]), "{usage_chunk}");
@@ -137,7 +159,13 @@ async fn streamed_equals_non_streamed() {
         let choice = &chunk["choices"][0];
         assert!(choice["delta"].get("role").is_none(), "{chunk}");
         text.push_str(choice["delta"]["content"].as_str().unwrap());
-        logprobs.extend(choice["logprobs"]["content"].as_array().unwrap().iter().cloned());
+        logprobs.extend(
+            choice["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .cloned(),
+        );
         let last = i + 1 == content_chunks.len();
         assert_eq!(choice["finish_reason"].is_null(), !last, "{chunk}");
     }
@@ -153,7 +181,9 @@ async fn streamed_equals_non_streamed() {
     let mut plain = request.clone();
     plain["stream"] = json!(true);
     let chunks = post_stream(&server, plain).await;
-    assert!(chunks.iter().all(|c| c.get("usage").is_none_or(Value::is_null)));
+    assert!(chunks
+        .iter()
+        .all(|c| c.get("usage").is_none_or(Value::is_null)));
     assert!(!chunks.last().unwrap()["choices"][0]["finish_reason"].is_null());
 
     // n = 2 streamed: each choice opens with its role chunk before any content.
@@ -182,7 +212,9 @@ async fn logprobs_are_consistent() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    let content = body["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let content = body["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap();
     assert_eq!(content.len(), 12);
     for entry in content {
         let logprob = entry["logprob"].as_f64().unwrap();
@@ -192,10 +224,17 @@ async fn logprobs_are_consistent() {
         assert_eq!(bytes, token.as_bytes());
         let top = entry["top_logprobs"].as_array().unwrap();
         assert_eq!(top.len(), 3, "{entry}");
-        assert!(top.iter().any(|t| t["token"] == entry["token"] && t["logprob"] == entry["logprob"]), "{entry}");
+        assert!(
+            top.iter()
+                .any(|t| t["token"] == entry["token"] && t["logprob"] == entry["logprob"]),
+            "{entry}"
+        );
         assert!(top.iter().all(|t| t["logprob"].as_f64().unwrap() <= 0.0));
         // After the sampled token, the alternatives come best first.
-        let rest: Vec<f64> = top[1..].iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        let rest: Vec<f64> = top[1..]
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap())
+            .collect();
         assert!(rest.windows(2).all(|w| w[0] >= w[1]), "{entry}");
     }
 
@@ -207,10 +246,16 @@ async fn logprobs_are_consistent() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    for entry in body["choices"][0]["logprobs"]["content"].as_array().unwrap() {
+    for entry in body["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+    {
         let top = entry["top_logprobs"].as_array().unwrap();
         assert_eq!(top[0]["token"], entry["token"]);
-        assert!(top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64(), "{entry}");
+        assert!(
+            top[0]["logprob"].as_f64() >= top[1]["logprob"].as_f64(),
+            "{entry}"
+        );
     }
 
     // logprobs without top_logprobs: entries with empty top lists.
@@ -220,7 +265,9 @@ async fn logprobs_are_consistent() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    let content = body["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let content = body["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap();
     assert_eq!(content.len(), 3);
     assert!(content.iter().all(|e| e["top_logprobs"] == json!([])));
 }
@@ -229,19 +276,43 @@ async fn logprobs_are_consistent() {
 async fn bad_requests_are_400() {
     let server = Server::start(&[]);
     let cases = [
-        (json!({"messages": user("x"), "top_logprobs": 2}), "top_logprobs"),
-        (json!({"messages": user("x"), "logprobs": true, "top_logprobs": 21}), "top_logprobs"),
+        (
+            json!({"messages": user("x"), "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            json!({"messages": user("x"), "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
         (json!({"messages": []}), "messages"),
-        (json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages"),
+        (
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            "messages",
+        ),
         (json!({"messages": [{"content": "x"}]}), "messages"),
         (json!({"messages": "hello"}), "messages"),
-        (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}),
+            "messages",
+        ),
         (json!({"messages": user("x"), "echo": true}), "echo"),
         (json!({"messages": user("x"), "tools": []}), "tools"),
-        (json!({"messages": user("x"), "stream_options": {"include_usage": true}}), "stream_options"),
-        (json!({"messages": user("x"), "continue_final_message": true}), "continue_final_message"),
-        (json!({"messages": user("x"), "chat_template_kwargs": {"messages": []}}), "chat_template_kwargs"),
-        (json!({"messages": user("x"), "max_completion_tokens": 100000}), "max_tokens"),
+        (
+            json!({"messages": user("x"), "stream_options": {"include_usage": true}}),
+            "stream_options",
+        ),
+        (
+            json!({"messages": user("x"), "continue_final_message": true}),
+            "continue_final_message",
+        ),
+        (
+            json!({"messages": user("x"), "chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs",
+        ),
+        (
+            json!({"messages": user("x"), "max_completion_tokens": 100000}),
+            "max_tokens",
+        ),
     ];
     for (request, param) in cases {
         let (status, body) = post(&server, request.clone()).await;
@@ -271,7 +342,7 @@ async fn chat_template_flag_overrides_the_models() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["usage"]["prompt_tokens"], 4);
+    assert_eq!(body["usage"]["prompt_tokens"], tokens("abcd"));
     let (status, body) = post(
         &server,
         json!({"messages": [{"role": "user", "content": "abcd"}], "max_tokens": 2, "ignore_eos": true,
@@ -279,5 +350,5 @@ async fn chat_template_flag_overrides_the_models() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["usage"]["prompt_tokens"], 6);
+    assert_eq!(body["usage"]["prompt_tokens"], tokens("abcd!!"));
 }

@@ -359,3 +359,16 @@ async fn sixty_four_streaming_clients_all_complete() {
     }
     assert_eq!(metric(&server, "vllm:kv_cache_usage_perc").await, 0.0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_seed_gives_the_same_tokens_whatever_shares_the_batch() {
+    let server = Server::start(&[]);
+    let seeded = json!({"prompt": "Seeded", "max_tokens": 24, "temperature": 1.0, "seed": 99, "ignore_eos": true});
+    let alone = completion(&server, seeded.clone()).await;
+    let noise = (0..8).map(|i| {
+        let server = &server;
+        async move { completion(server, json!({"prompt": format!("noise {i}"), "max_tokens": 30, "temperature": 1.0, "ignore_eos": true})).await }
+    });
+    let (crowded, _) = futures::join!(completion(&server, seeded), futures::future::join_all(noise));
+    assert_eq!(crowded["choices"][0]["text"], alone["choices"][0]["text"]);
+}

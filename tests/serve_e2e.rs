@@ -210,3 +210,16 @@ async fn a_killed_worker_fails_requests_and_the_server_exits() {
     let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_shuts_everything_down_cleanly() {
+    let mut server = Server::start(&[]);
+    let tree = descendants(server.pid());
+    assert_eq!(tree.len(), 2, "engine-core and one worker: {tree:?}");
+    // SAFETY: kill(2) on this test's own server.
+    unsafe { libc::kill(server.pid() as libc::pid_t, libc::SIGTERM) };
+    let exit = server.wait_exit(Duration::from_secs(15)).expect("server did not stop on SIGTERM");
+    assert!(exit.success(), "a requested shutdown exits 0, got {exit}:\n{}", server.log());
+    let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
+    assert!(left.is_empty(), "processes left behind: {left:?}");
+}

@@ -53,14 +53,6 @@ impl ChildProcess {
             }
         }
     }
-
-    /// Asks the child to stop (SIGTERM), as a Ctrl-C would.
-    pub fn terminate(&self) {
-        if let Some(pid) = self.pid() {
-            // SAFETY: kill(2) with a pid we own has no memory-safety preconditions.
-            unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
-        }
-    }
 }
 
 /// Describes how a process ended: "exit code 1", "signal 9 (SIGKILL)".

@@ -369,6 +369,9 @@ async fn a_seed_gives_the_same_tokens_whatever_shares_the_batch() {
         let server = &server;
         async move { completion(server, json!({"prompt": format!("noise {i}"), "max_tokens": 30, "temperature": 1.0, "ignore_eos": true})).await }
     });
-    let (crowded, _) = futures::join!(completion(&server, seeded), futures::future::join_all(noise));
+    let (crowded, _) = futures::join!(
+        completion(&server, seeded),
+        futures::future::join_all(noise)
+    );
     assert_eq!(crowded["choices"][0]["text"], alone["choices"][0]["text"]);
 }

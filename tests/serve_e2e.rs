@@ -218,8 +218,14 @@ async fn sigterm_shuts_everything_down_cleanly() {
     assert_eq!(tree.len(), 2, "engine-core and one worker: {tree:?}");
     // SAFETY: kill(2) on this test's own server.
     unsafe { libc::kill(server.pid() as libc::pid_t, libc::SIGTERM) };
-    let exit = server.wait_exit(Duration::from_secs(15)).expect("server did not stop on SIGTERM");
-    assert!(exit.success(), "a requested shutdown exits 0, got {exit}:\n{}", server.log());
+    let exit = server
+        .wait_exit(Duration::from_secs(15))
+        .expect("server did not stop on SIGTERM");
+    assert!(
+        exit.success(),
+        "a requested shutdown exits 0, got {exit}:\n{}",
+        server.log()
+    );
     let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
     assert!(left.is_empty(), "processes left behind: {left:?}");
 }

@@ -81,14 +81,27 @@ pub struct EngineArgs {
     pub device: Device,
 }
 
+/// CUDA when a GPU is present (the driver library loads and reports at least one
+/// device), else the CPU. Probed once per process.
+fn auto_device() -> &'static str {
+    static DEVICE: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+    DEVICE.get_or_init(|| {
+        if vllm_worker::backend::cuda::device_count() > 0 {
+            "cuda"
+        } else {
+            "cpu"
+        }
+    })
+}
+
 impl EngineArgs {
-    /// The device this run uses. The CUDA backend is not built yet, so `auto` is the CPU.
+    /// The device this run uses: `auto` is CUDA when the driver loads and reports a GPU,
+    /// else the CPU. `cuda` is taken as asked; the worker reports what is missing.
     pub fn resolved_device(&self) -> anyhow::Result<&'static str> {
         match self.device {
-            Device::Auto | Device::Cpu => Ok("cpu"),
-            Device::Cuda => {
-                bail!("--device cuda: this build has no CUDA backend yet; use --device cpu")
-            }
+            Device::Cpu => Ok("cpu"),
+            Device::Cuda => Ok("cuda"),
+            Device::Auto => Ok(auto_device()),
         }
     }
 
@@ -151,6 +164,7 @@ impl EngineArgs {
             max_num_batched_tokens,
             max_num_seqs,
             kv_cache_memory_bytes: (self.cpu_kv_cache_space * (1u64 << 30) as f64) as u64,
+            gpu_memory_utilization: self.gpu_memory_utilization as f64,
             num_gpu_blocks_override: self.num_gpu_blocks_override,
             seed: self.seed,
         })

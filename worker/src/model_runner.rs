@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use anyhow::{bail, ensure, Context, Result};
 use vllm_protocol::{ModelInfo, ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerProfile};
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::cuda::{memory, sampling};
+use crate::backend::{Backend, CpuBackend, CudaBackend};
 use crate::config::ModelConfig;
 use crate::input_batch::InputBatch;
 use crate::kv_cache::{bytes_per_block, KvCache};
@@ -22,7 +23,7 @@ pub struct WorkerConfig {
     pub model_dir: PathBuf,
     pub rank: u32,
     pub world_size: u32,
-    /// "cpu" (a CUDA backend will add "cuda").
+    /// "cpu" or "cuda".
     pub device: String,
     pub dtype: Option<String>,
     pub block_size: u32,
@@ -31,6 +32,8 @@ pub struct WorkerConfig {
     pub max_num_seqs: u32,
     /// CPU: the memory budget for KV blocks.
     pub kv_cache_memory_bytes: u64,
+    /// CUDA: the share of GPU memory for weights, activations and the KV cache.
+    pub gpu_memory_utilization: f64,
     pub num_gpu_blocks_override: Option<u32>,
     pub seed: u64,
 }
@@ -283,4 +286,259 @@ impl<B: Backend> ModelRunner<B> {
             .zip(logits.chunks_exact(vocab).map(<[f32]>::to_vec))
             .collect())
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// CUDA: the runner on one GPU. Loading picks the dtype, profiling sizes the KV cache from
+// the GPU's memory, and steps sample on the GPU.
+
+/// The model runner of whichever device `WorkerConfig::device` names.
+pub enum DeviceRunner {
+    Cpu(Box<ModelRunner<CpuBackend>>),
+    Cuda(Box<ModelRunner<CudaBackend>>),
+}
+
+impl DeviceRunner {
+    /// Loads the model on `cfg.device`: "cuda" opens GPU `cfg.rank`, anything else is the
+    /// CPU runner's business (which refuses what it does not know).
+    pub fn load(cfg: &WorkerConfig) -> Result<Self> {
+        match cfg.device.as_str() {
+            "cuda" => Ok(Self::Cuda(Box::new(ModelRunner::load_cuda(cfg)?))),
+            _ => Ok(Self::Cpu(Box::new(ModelRunner::load(cfg)?))),
+        }
+    }
+
+    pub fn model_config(&self) -> &ModelConfig {
+        match self {
+            Self::Cpu(r) => r.model_config(),
+            Self::Cuda(r) => r.model_config(),
+        }
+    }
+
+    pub fn profile(&mut self) -> Result<WorkerProfile> {
+        match self {
+            Self::Cpu(r) => r.profile(),
+            Self::Cuda(r) => r.profile_cuda(),
+        }
+    }
+
+    pub fn initialize_kv_cache(&mut self, num_blocks: u32) -> Result<()> {
+        match self {
+            Self::Cpu(r) => r.initialize_kv_cache(num_blocks),
+            Self::Cuda(r) => r.initialize_kv_cache(num_blocks),
+        }
+    }
+
+    pub fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
+        match self {
+            Self::Cpu(r) => r.execute_model(so),
+            Self::Cuda(r) => r.execute_model_cuda(so),
+        }
+    }
+}
+
+impl ModelRunner<CudaBackend> {
+    /// Opens GPU `cfg.rank` and loads the model in `--dtype` (auto: bfloat16).
+    pub fn load_cuda(cfg: &WorkerConfig) -> Result<Self> {
+        let dtype = vllm_kernels::cuda::DType::from_flag(cfg.dtype.as_deref())?;
+        let backend = CudaBackend::new(cfg.rank, cfg.world_size, dtype)?;
+        tracing::info!(
+            device = backend.device_name(),
+            gpu = backend.dev.name,
+            dtype = dtype.name(),
+            kernels = ?backend.ops.build_source,
+            "CUDA backend ready"
+        );
+        Self::with_backend(backend, cfg)
+    }
+
+    /// Runs the worst-case dummy step and sizes the KV cache from what memory is left
+    /// (or takes `num_gpu_blocks_override`).
+    pub fn profile_cuda(&mut self) -> Result<WorkerProfile> {
+        let per_block = self.bytes_per_block();
+        let dev = &self.backend.dev;
+        dev.synchronize()?;
+        dev.reset_pool_high();
+        let started = std::time::Instant::now();
+        self.dummy_step()
+            .context("the worst-case dummy step failed (lower --max-num-batched-tokens?)")?;
+        let dev = &self.backend.dev;
+        dev.synchronize()?;
+        let (free_after, total) = dev.mem_info()?;
+        let snapshot = memory::MemorySnapshot {
+            total: total as u64,
+            free_after: free_after as u64,
+            pool_now: dev.pool_reserved(),
+            pool_high: dev.pool_reserved_high(),
+        };
+        let utilization = self.cfg.gpu_memory_utilization;
+        let kv_bytes = memory::kv_cache_bytes(&snapshot, utilization);
+        let num_available_blocks = match self.cfg.num_gpu_blocks_override {
+            Some(n) => n,
+            None => {
+                let n = kv_bytes / per_block;
+                ensure!(
+                    n > 0,
+                    "no GPU memory left for the KV cache: {:.2} GiB total, {:.2} GiB in use \
+                     after the weights and a {}-token dummy step, utilization {utilization} \
+                     (raise --gpu-memory-utilization or lower --max-num-batched-tokens)",
+                    gib(snapshot.total),
+                    gib(snapshot.total - snapshot.free_after),
+                    self.cfg.max_num_batched_tokens
+                );
+                u32::try_from(n).unwrap_or(u32::MAX)
+            }
+        };
+        tracing::info!(
+            total_gib = format!("{:.2}", gib(snapshot.total)),
+            in_use_gib = format!("{:.2}", gib(snapshot.total - snapshot.free_after)),
+            pool_peak_gib = format!("{:.2}", gib(snapshot.pool_high)),
+            kv_cache_gib = format!("{:.2}", gib(kv_bytes)),
+            utilization,
+            dummy_step_seconds = started.elapsed().as_secs_f32(),
+            "profiled GPU memory"
+        );
+        tracing::info!(
+            num_gpu_blocks = num_available_blocks,
+            block_size = self.cfg.block_size,
+            kv_cache_tokens = u64::from(num_available_blocks) * u64::from(self.cfg.block_size),
+            bytes_per_block = per_block,
+            "KV cache size"
+        );
+        Ok(WorkerProfile {
+            rank: self.cfg.rank,
+            num_available_blocks,
+            model: ModelInfo {
+                architecture: self.model_config.architecture.hf_name().to_string(),
+                vocab_size: self.model_config.vocab_size as u32,
+                num_hidden_layers: self.model_config.num_hidden_layers as u32,
+                max_model_len: self.max_model_len as u32,
+                dtype: self.backend.dtype_name().to_string(),
+            },
+            device: self.backend.device_name(),
+        })
+    }
+
+    /// One forward of the worst-case step, with logits and GPU sampling of every row,
+    /// through a one-block cache that nothing is written to.
+    fn dummy_step(&mut self) -> Result<()> {
+        let bs = self.cfg.block_size as usize;
+        let inputs = memory::dummy_step(
+            self.cfg.max_num_batched_tokens as usize,
+            self.cfg.max_num_seqs as usize,
+            bs,
+            self.max_model_len,
+        );
+        let mut cache = KvCache::allocate(
+            &self.backend,
+            self.model_config.num_hidden_layers,
+            1,
+            bs,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+        )?;
+        let meta = self.backend.upload_step(&inputs)?;
+        let hidden = self.model.forward(&self.backend, &meta, &mut cache)?;
+        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
+        let n = inputs.logits_indices.len();
+        let params = vllm_protocol::SamplingParams::default();
+        let rows: Vec<_> = (0..n)
+            .map(|_| sampling::row_params(&self.backend, &params, 0, self.cfg.seed))
+            .collect();
+        let ids: Vec<i32> = (0..n as i32).collect();
+        sampling::sample_rows(&self.backend, &logits, &ids, &rows)?;
+        Ok(())
+    }
+
+    /// `execute_model` with sampling on the GPU: rows the kernel covers never leave the
+    /// device; the others (logprobs, bias, penalties, min_tokens) use the CPU sampler on
+    /// their own rows only.
+    pub fn execute_model_cuda(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
+        self.batch.update_states(so)?;
+        let mut output = ModelRunnerOutput {
+            step_id: so.step_id,
+            sampled: Vec::new(),
+        };
+        if so.is_empty() {
+            return Ok(output);
+        }
+        let cache = self
+            .kv_cache
+            .as_mut()
+            .context("execute_model before initialize_kv_cache")?;
+        let step = self.batch.prepare_inputs(so, cache.block_size)?;
+        let meta = self.backend.upload_step(&step.inputs)?;
+        let hidden = self.model.forward(&self.backend, &meta, cache)?;
+        if step.sampled_req_ids.is_empty() {
+            return Ok(output);
+        }
+        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
+
+        let mut gpu_ids = Vec::new();
+        let mut gpu_rows = Vec::new();
+        let mut cpu_ids = Vec::new();
+        for (i, id) in step.sampled_req_ids.iter().enumerate() {
+            let s = &self.batch.requests[id];
+            let n_out = s.output_token_ids.len();
+            if sampling::gpu_can_sample(&s.sampling_params, n_out) {
+                gpu_ids.push(i as i32);
+                gpu_rows.push(sampling::row_params(
+                    &self.backend,
+                    &s.sampling_params,
+                    n_out,
+                    self.cfg.seed,
+                ));
+            } else {
+                cpu_ids.push(i as i32);
+            }
+        }
+        let mut tokens: Vec<Option<(u32, Option<vllm_protocol::TokenLogprobs>)>> =
+            vec![None; step.sampled_req_ids.len()];
+        let gpu_tokens = sampling::sample_rows(&self.backend, &logits, &gpu_ids, &gpu_rows)?;
+        for (&i, t) in gpu_ids.iter().zip(gpu_tokens) {
+            tokens[i as usize] = Some((t, None));
+        }
+        if !cpu_ids.is_empty() {
+            let rows = self
+                .backend
+                .gather_rows(&logits, &self.backend.upload_ints(&cpu_ids)?)?;
+            let mut host = self.backend.to_host(&rows)?.data;
+            let reqs: Vec<SamplingRequest> = cpu_ids
+                .iter()
+                .map(|&i| {
+                    let s = &self.batch.requests[&step.sampled_req_ids[i as usize]];
+                    SamplingRequest {
+                        params: &s.sampling_params,
+                        prompt_token_ids: &s.prompt_token_ids,
+                        output_token_ids: &s.output_token_ids,
+                        eos_token_ids: &self.model_config.eos_token_ids,
+                    }
+                })
+                .collect();
+            let sampled = self
+                .sampler
+                .sample(&mut host, self.model_config.vocab_size, &reqs);
+            for (&i, t) in cpu_ids.iter().zip(sampled) {
+                tokens[i as usize] = Some(t);
+            }
+        }
+        output.sampled = step
+            .sampled_req_ids
+            .iter()
+            .zip(tokens)
+            .map(|(req_id, t)| {
+                let (token_id, logprobs) = t.context("a sampled row got no token")?;
+                Ok(SampledToken {
+                    req_id: req_id.clone(),
+                    token_id,
+                    logprobs,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(output)
+    }
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
 }

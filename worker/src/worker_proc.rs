@@ -12,7 +12,7 @@ use anyhow::Context;
 use vllm_protocol::{Register, WireMessage, WorkerEvent, WorkerInput, PROTOCOL_VERSION};
 use zeromq::{DealerSocket, PushSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::model_runner::{ModelRunner, WorkerConfig};
+use crate::model_runner::{DeviceRunner, WorkerConfig};
 
 /// Where the worker finds its engine-core and who it is.
 pub struct WorkerArgs {
@@ -46,7 +46,7 @@ pub async fn run_worker(args: WorkerArgs) -> anyhow::Result<i32> {
 }
 
 async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
-    let mut runner = ModelRunner::load(&args.config)?;
+    let mut runner = DeviceRunner::load(&args.config)?;
     sockets
         .send(&WorkerEvent::Profiled(runner.profile()?))
         .await?;

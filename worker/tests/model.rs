@@ -27,6 +27,7 @@ fn worker_config(dir: &Path) -> WorkerConfig {
         max_num_batched_tokens: 256,
         max_num_seqs: 8,
         kv_cache_memory_bytes: 1 << 20,
+        gpu_memory_utilization: 0.9,
         num_gpu_blocks_override: Some(64),
         seed: 0,
     }

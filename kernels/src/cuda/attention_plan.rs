@@ -13,7 +13,7 @@ pub const ATT_THREADS: u32 = 128;
 /// A split covers a multiple of this many keys (`ATT_KEYS`).
 pub const ATT_KEYS: usize = 32;
 /// Head sizes with a compiled kernel.
-pub const HEAD_DIMS: [usize; 2] = [64, 128];
+pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionPlan {

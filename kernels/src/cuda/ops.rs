@@ -11,7 +11,7 @@ use cudarc::driver::{
     CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::attention_plan::{AttentionPlan, ATT_THREADS};
+use super::attention_plan::{AttentionPlan, ATT_THREADS, HEAD_DIMS};
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::module::{self, BuildSource, Functions};
@@ -477,6 +477,7 @@ impl CudaOps {
     }
 
     /// Paged attention of q [T, Hq, D] over the caches, into out [T, Hq, D].
+    #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
         q: &CudaSlice<u8>,
@@ -499,9 +500,14 @@ impl CudaOps {
             return Ok(());
         }
         let func = match head_dim {
+            16 => &self.f.paged_attention_d16,
+            32 => &self.f.paged_attention_d32,
             64 => &self.f.paged_attention_d64,
             128 => &self.f.paged_attention_d128,
-            d => bail!("paged attention: head_dim {d} has no kernel (supported: 64, 128)"),
+            d => bail!(
+                "paged attention: head_dim {d} has no kernel (supported: {:?})",
+                HEAD_DIMS
+            ),
         };
         let rows = num_tokens * num_q_heads;
         self.check(q, rows * head_dim, "attention q")?;

@@ -1,13 +1,15 @@
 //! The `Backend`: every op the model uses, over backend-owned tensor handles.
 //!
 //! Model code is written once against this trait and never touches elements; the CPU
-//! backend (`cpu.rs`) runs the f32 reference kernels, a CUDA backend implements the same
-//! ops with its own kernels. Per-step metadata (`StepInputs`) is uploaded once per step as
-//! small i32 tensors (`StepMetadata`) that every layer reads.
+//! backend (`cpu.rs`) runs the f32 reference kernels, the CUDA backend (`cuda/`) implements
+//! the same ops with its own kernels. Per-step metadata (`StepInputs`) is uploaded once per
+//! step as small i32 tensors (`StepMetadata`) that every layer reads.
 
 pub mod cpu;
+pub mod cuda;
 
 pub use cpu::CpuBackend;
+pub use cuda::CudaBackend;
 
 use anyhow::Result;
 use vllm_kernels::cpu::attention::PagedAttentionShape;

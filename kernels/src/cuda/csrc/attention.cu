@@ -42,7 +42,9 @@ struct AttentionArgs {
 
 template <int D>
 __device__ void paged_attention_tile(const AttentionArgs& a) {
-    constexpr int PER_LANE = D / 32;
+    // Output columns per lane: lane + 32 * j; for D < 32 the upper lanes own none.
+    constexpr int PER_LANE = D >= 32 ? D / 32 : 1;
+    const bool owns_col = D >= 32 || (threadIdx.x & 31) < D;
     __shared__ float sq[ATT_ROWS][D];
     __shared__ float sk[ATT_KEYS][D + 1];
     __shared__ float sv[ATT_KEYS][D];
@@ -132,6 +134,7 @@ __device__ void paged_attention_tile(const AttentionArgs& a) {
             if (r >= rows) continue;
             for (int c = 0; c < ATT_KEYS; ++c) {
                 const float pc = __shfl_sync(0xffffffffu, prob[i], c);
+                if (!owns_col) continue;
 #pragma unroll
                 for (int j = 0; j < PER_LANE; ++j) acc[i][j] += pc * sv[c][lane + 32 * j];
             }
@@ -148,17 +151,28 @@ __device__ void paged_attention_tile(const AttentionArgs& a) {
             const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
 #pragma unroll
             for (int j = 0; j < PER_LANE; ++j)
-                a.out[row * D + lane + 32 * j] = from_f32(acc[i][j] * inv);
+                if (owns_col) a.out[row * D + lane + 32 * j] = from_f32(acc[i][j] * inv);
         } else {
             const long long prow = (long long)split * a.num_tokens * a.num_q_heads + row;
 #pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) a.part_o[prow * D + lane + 32 * j] = acc[i][j];
+            for (int j = 0; j < PER_LANE; ++j)
+                if (owns_col) a.part_o[prow * D + lane + 32 * j] = acc[i][j];
             if (lane == 0) {
                 a.part_ml[prow * 2] = m[i];
                 a.part_ml[prow * 2 + 1] = l[i];
             }
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    paged_attention_d16(AttentionArgs a) {
+    paged_attention_tile<16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    paged_attention_d32(AttentionArgs a) {
+    paged_attention_tile<32>(a);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)

@@ -1,0 +1,617 @@
+//! Every CUDA kernel against its CPU reference, in bf16, fp16 and f32, on fresh random
+//! inputs: odd sizes, sequences crossing block boundaries, shuffled blocks, GQA, split
+//! decode, and outputs poisoned with NaN before each launch (a skipped element shows).
+//!
+//! Inputs are rounded to the dtype first and the CPU reference runs on the rounded values,
+//! so the bounds measure the kernels, not the input quantisation. Every test is `#[ignore]`d
+//! (cargo reports it as ignored where there is no GPU); `scripts/gpu_round.sh` runs them with
+//! `--ignored` and VLLM_REQUIRE_GPU set, so a missing device fails there instead of passing.
+
+use cudarc::driver::CudaSlice;
+use vllm_kernels::cpu;
+use vllm_kernels::cpu::attention::PagedAttentionShape;
+use vllm_kernels::cuda::{
+    libs, AttentionDims, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType, Gemm,
+};
+
+const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+
+struct Gpu {
+    dev: CudaDevice,
+}
+
+fn gpu() -> Option<Gpu> {
+    if libs::device_count() == 0 {
+        assert!(
+            std::env::var_os("VLLM_REQUIRE_GPU").is_none(),
+            "VLLM_REQUIRE_GPU is set but no CUDA device is usable"
+        );
+        eprintln!("SKIPPED: no CUDA device");
+        return None;
+    }
+    Some(Gpu {
+        dev: CudaDevice::open(0).expect("open GPU 0"),
+    })
+}
+
+/// A seeded generator of values in [-1, 1).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (((self.next() + 1.0) * 0.5) * n as f32) as usize % n.max(1)
+    }
+}
+
+/// Per-dtype bound: |got - want| <= abs + rel * |want|.
+#[derive(Clone, Copy)]
+struct Tol {
+    abs: f32,
+    rel: f32,
+}
+
+fn tol(dtype: DType, ulps: f32) -> Tol {
+    let eps = match dtype {
+        DType::BF16 => 1.0 / 128.0,
+        DType::F16 => 1.0 / 1024.0,
+        DType::F32 => 1e-6,
+    };
+    Tol {
+        abs: eps * ulps,
+        rel: eps * ulps,
+    }
+}
+
+fn assert_close(what: &str, dtype: DType, got: &[f32], want: &[f32], t: Tol) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = (0.0f32, 0usize);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            !g.is_nan(),
+            "{what} {dtype:?}: NaN at {i} (want {w}): element not written?"
+        );
+        let excess = (g - w).abs() - (t.abs + t.rel * w.abs());
+        if excess > worst.0 {
+            worst = (excess, i);
+        }
+    }
+    let i = worst.1;
+    assert!(
+        worst.0 <= 0.0,
+        "{what} {dtype:?}: element {i}: got {}, want {} (bound {} + {}·|want|)",
+        got[i],
+        want[i],
+        t.abs,
+        t.rel
+    );
+}
+
+struct Ctx<'a> {
+    gpu: &'a Gpu,
+    ops: CudaOps,
+    dtype: DType,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(gpu: &'a Gpu, dtype: DType) -> Self {
+        Self {
+            gpu,
+            ops: CudaOps::new(&gpu.dev, dtype).expect("build kernels"),
+            dtype,
+        }
+    }
+    fn round(&self, v: &[f32]) -> Vec<f32> {
+        v.iter().map(|&x| self.dtype.round(x)).collect()
+    }
+    fn upload(&self, v: &[f32]) -> CudaSlice<u8> {
+        self.gpu
+            .dev
+            .stream
+            .clone_htod(&self.dtype.encode(v))
+            .expect("upload")
+    }
+    fn ints(&self, v: &[i32]) -> CudaSlice<i32> {
+        self.gpu.dev.stream.clone_htod(v).expect("upload ints")
+    }
+    fn poisoned(&self, n: usize) -> CudaSlice<u8> {
+        let mut b = self.ops.alloc(n).expect("alloc");
+        self.ops.fill(&mut b, n, f32::NAN).expect("fill");
+        b
+    }
+    fn download(&self, b: &CudaSlice<u8>, n: usize) -> Vec<f32> {
+        let bytes = self.gpu.dev.stream.clone_dtoh(b).expect("download");
+        self.dtype.decode(&bytes[..n * self.dtype.size()])
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn embedding_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(1);
+        let (rows, hidden, start) = (37, 67, 5);
+        let table = c.round(&r.vec(rows * hidden, 1.0));
+        let ids: Vec<i32> = (0..29).map(|_| r.below(50) as i32).collect();
+        let mut want = vec![f32::NAN; ids.len() * hidden];
+        let uids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
+        cpu::embedding(&uids, &table, start, hidden, &mut want);
+        let mut out = c.poisoned(ids.len() * hidden);
+        c.ops
+            .embedding(
+                &c.ints(&ids),
+                &c.upload(&table),
+                &mut out,
+                ids.len(),
+                hidden,
+                start,
+                rows,
+            )
+            .unwrap();
+        let got = c.download(&out, want.len());
+        assert_close("embedding", dtype, &got, &want, tol(dtype, 0.0));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn rms_norms_match_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(2);
+        for (rows, hidden) in [(7, 1037), (3, 4099), (1, 64)] {
+            let x = c.round(&r.vec(rows * hidden, 2.0));
+            let w = c.round(&r.vec(hidden, 1.0));
+            let mut want = vec![0.0; x.len()];
+            cpu::rms_norm(&x, &w, 1e-6, &mut want);
+            let mut out = c.poisoned(x.len());
+            c.ops
+                .rms_norm(&c.upload(&x), &c.upload(&w), &mut out, rows, hidden, 1e-6)
+                .unwrap();
+            assert_close(
+                "rms_norm",
+                dtype,
+                &c.download(&out, x.len()),
+                &want,
+                tol(dtype, 2.0),
+            );
+
+            // Fused: residual += x; x = norm(residual).
+            let res = c.round(&r.vec(rows * hidden, 2.0));
+            let (mut wx, mut wres) = (x.clone(), res.clone());
+            cpu::fused_add_rms_norm(&mut wx, &mut wres, &w, 1e-6);
+            let (mut dx, mut dres) = (c.upload(&x), c.upload(&res));
+            c.ops
+                .fused_add_rms_norm(&mut dx, &mut dres, &c.upload(&w), rows, hidden, 1e-6)
+                .unwrap();
+            assert_close(
+                "fused_add_rms_norm residual",
+                dtype,
+                &c.download(&dres, x.len()),
+                &wres,
+                tol(dtype, 1.0),
+            );
+            assert_close(
+                "fused_add_rms_norm x",
+                dtype,
+                &c.download(&dx, x.len()),
+                &wx,
+                tol(dtype, 3.0),
+            );
+        }
+        for (heads, head_dim) in [(13 * 5, 128), (9, 16), (3, 64)] {
+            let x = c.round(&r.vec(heads * head_dim, 3.0));
+            let w = c.round(&r.vec(head_dim, 1.0));
+            let mut want = x.clone();
+            cpu::rms_norm_per_head(&mut want, &w, 1e-6);
+            let mut dx = c.upload(&x);
+            c.ops
+                .rms_norm_per_head(&mut dx, &c.upload(&w), heads, head_dim, 1e-6)
+                .unwrap();
+            assert_close(
+                "rms_norm_per_head",
+                dtype,
+                &c.download(&dx, x.len()),
+                &want,
+                tol(dtype, 2.0),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn rotary_matches_cpu_plain_and_llama3() {
+    let Some(g) = gpu() else { return };
+    let llama3 = cpu::Llama3RopeScaling {
+        factor: 32.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192.0,
+    };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(3);
+        for (head_dim, theta, scaling) in [
+            (64, 500_000.0, Some(llama3)),
+            (128, 1_000_000.0, None),
+            (16, 10_000.0, None),
+        ] {
+            let (t, qh, kh, max_pos) = (9, 7, 3, 5000);
+            let inv = cpu::compute_inv_freq(head_dim, theta, scaling);
+            let cache = c.round(&cpu::compute_cos_sin_cache(&inv, max_pos));
+            let positions: Vec<i32> = (0..t).map(|_| r.below(max_pos) as i32).collect();
+            let q = c.round(&r.vec(t * qh * head_dim, 2.0));
+            let k = c.round(&r.vec(t * kh * head_dim, 2.0));
+            let (mut wq, mut wk) = (q.clone(), k.clone());
+            cpu::rotary_embedding_neox(&positions, &mut wq, &mut wk, head_dim, &cache, head_dim);
+            let (mut dq, mut dk) = (c.upload(&q), c.upload(&k));
+            c.ops
+                .rotary_embedding_neox(
+                    &c.ints(&positions),
+                    &mut dq,
+                    &mut dk,
+                    &c.upload(&cache),
+                    t,
+                    qh,
+                    kh,
+                    head_dim,
+                    head_dim,
+                )
+                .unwrap();
+            assert_close(
+                "rotary q",
+                dtype,
+                &c.download(&dq, q.len()),
+                &wq,
+                tol(dtype, 2.0),
+            );
+            assert_close(
+                "rotary k",
+                dtype,
+                &c.download(&dk, k.len()),
+                &wk,
+                tol(dtype, 2.0),
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn silu_and_mul_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(4);
+        let (rows, d) = (11, 333);
+        let x = c.round(&r.vec(rows * 2 * d, 4.0));
+        let mut want = vec![0.0; rows * d];
+        cpu::silu_and_mul(&x, d, &mut want);
+        let mut out = c.poisoned(rows * d);
+        c.ops
+            .silu_and_mul(&c.upload(&x), &mut out, rows, d)
+            .unwrap();
+        assert_close(
+            "silu_and_mul",
+            dtype,
+            &c.download(&out, want.len()),
+            &want,
+            tol(dtype, 2.0),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn reshape_and_cache_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(5);
+        let (blocks, bs, kv_row) = (5, 4, 2 * 16);
+        let slots_total = blocks * bs;
+        // 13 tokens at distinct shuffled slots, two of them padding (-1).
+        let mut slots: Vec<i32> = (0..slots_total as i32).collect();
+        for i in (1..slots.len()).rev() {
+            slots.swap(i, r.below(i + 1));
+        }
+        slots.truncate(13);
+        slots[3] = -1;
+        slots[9] = -1;
+        let key = c.round(&r.vec(13 * kv_row, 1.0));
+        let value = c.round(&r.vec(13 * kv_row, 1.0));
+        let kc0 = c.round(&r.vec(slots_total * kv_row, 1.0));
+        let vc0 = c.round(&r.vec(slots_total * kv_row, 1.0));
+        let (mut wk, mut wv) = (kc0.clone(), vc0.clone());
+        cpu::reshape_and_cache(&key, &value, &mut wk, &mut wv, &slots, kv_row);
+        let (mut dk, mut dv) = (c.upload(&kc0), c.upload(&vc0));
+        c.ops
+            .reshape_and_cache(
+                &c.upload(&key),
+                &c.upload(&value),
+                &mut dk,
+                &mut dv,
+                &c.ints(&slots),
+                13,
+                kv_row,
+            )
+            .unwrap();
+        assert_close(
+            "key cache",
+            dtype,
+            &c.download(&dk, wk.len()),
+            &wk,
+            tol(dtype, 0.0),
+        );
+        assert_close(
+            "value cache",
+            dtype,
+            &c.download(&dv, wv.len()),
+            &wv,
+            tol(dtype, 0.0),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn copies_match_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(6);
+        let (rows, cols) = (7, 45);
+        let x = c.round(&r.vec(rows * cols, 1.0));
+        let dx = c.upload(&x);
+        // split_cols: columns 10..10+21
+        let mut out = c.poisoned(rows * 21);
+        c.ops.split_cols(&dx, &mut out, rows, cols, 10, 21).unwrap();
+        let want: Vec<f32> = (0..rows)
+            .flat_map(|i| x[i * cols + 10..i * cols + 31].to_vec())
+            .collect();
+        assert_close(
+            "split_cols",
+            dtype,
+            &c.download(&out, want.len()),
+            &want,
+            tol(dtype, 0.0),
+        );
+        // gather_rows
+        let idx = [6, 0, 3, 3];
+        let mut out = c.poisoned(idx.len() * cols);
+        c.ops
+            .gather_rows(&dx, &c.ints(&idx), &mut out, idx.len(), cols)
+            .unwrap();
+        let want: Vec<f32> = idx
+            .iter()
+            .flat_map(|&i| x[i as usize * cols..(i as usize + 1) * cols].to_vec())
+            .collect();
+        assert_close(
+            "gather_rows",
+            dtype,
+            &c.download(&out, want.len()),
+            &want,
+            tol(dtype, 0.0),
+        );
+        // add_bias
+        let bias = c.round(&r.vec(cols, 1.0));
+        let mut y = c.upload(&x);
+        c.ops
+            .add_bias(&mut y, &c.upload(&bias), rows, cols)
+            .unwrap();
+        let want: Vec<f32> = x
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + bias[i % cols])
+            .collect();
+        assert_close(
+            "add_bias",
+            dtype,
+            &c.download(&y, want.len()),
+            &want,
+            tol(dtype, 1.0),
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn linear_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let gemm = Gemm::new(g.dev.stream.clone(), dtype).unwrap();
+        let mut r = Lcg(7);
+        for (m, k, n) in [(1, 257, 129), (7, 1024, 3072), (130, 96, 33)] {
+            let x = c.round(&r.vec(m * k, 1.0));
+            let w = c.round(&r.vec(n * k, 1.0 / (k as f32).sqrt()));
+            let mut want = vec![0.0; m * n];
+            cpu::linear(&x, &w, None, m, k, n, &mut want);
+            let mut out = c.poisoned(m * n);
+            gemm.linear(&c.upload(&x), &c.upload(&w), &mut out, m, k, n)
+                .unwrap();
+            // f32 accumulation on both sides: the output rounding (and the order of the
+            // sums) is all that differs; outputs are O(1).
+            let t = match dtype {
+                DType::F32 => Tol {
+                    abs: 1e-5,
+                    rel: 1e-5,
+                },
+                _ => tol(dtype, 1.5),
+            };
+            assert_close("linear", dtype, &c.download(&out, m * n), &want, t);
+        }
+    }
+}
+
+/// One attention scenario: sequences (context_len, query_len), GQA shape, block size.
+fn attention_case(
+    c: &Ctx,
+    r: &mut Lcg,
+    seqs: &[(usize, usize)],
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    bs: usize,
+) {
+    let num_seqs = seqs.len();
+    let max_len = seqs.iter().map(|(c, q)| c + q).max().unwrap();
+    let max_blocks = max_len.div_ceil(bs);
+    let num_blocks = max_blocks * num_seqs + 3;
+    // Shuffled block ids for every sequence.
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, r.below(i + 1));
+    }
+    let block_tables: Vec<i32> = (0..num_seqs)
+        .flat_map(|s| ids[s * max_blocks..(s + 1) * max_blocks].to_vec())
+        .collect();
+    let kv_row = hkv * d;
+    let kc = c.round(&r.vec(num_blocks * bs * kv_row, 1.0));
+    let vc = c.round(&r.vec(num_blocks * bs * kv_row, 1.0));
+    let mut qsl = vec![0i32];
+    let mut seq_lens = Vec::new();
+    for &(ctx, q) in seqs {
+        qsl.push(qsl.last().unwrap() + q as i32);
+        seq_lens.push((ctx + q) as i32);
+    }
+    let t = *qsl.last().unwrap() as usize;
+    let q = c.round(&r.vec(t * hq * d, 2.0));
+    let shape = PagedAttentionShape {
+        num_q_heads: hq,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+        max_blocks_per_seq: max_blocks,
+    };
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut want = vec![f32::NAN; t * hq * d];
+    cpu::paged_attention(
+        &q,
+        &kc,
+        &vc,
+        &block_tables,
+        &seq_lens,
+        &qsl,
+        &shape,
+        scale,
+        &mut want,
+    );
+    let plan = AttentionPlan::new(&qsl, &seq_lens, hq, hkv, c.ops.num_sms).unwrap();
+    let meta = AttentionMeta {
+        block_tables: &c.ints(&block_tables),
+        max_blocks_per_seq: max_blocks,
+        seq_lens: &c.ints(&seq_lens),
+        query_start_loc: &c.ints(&qsl),
+        tile_seq: &c.ints(&plan.tile_seq),
+        tile_token: &c.ints(&plan.tile_token),
+        plan: &plan,
+    };
+    let dims = AttentionDims {
+        num_tokens: t,
+        num_q_heads: hq,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+    };
+    let mut out = c.poisoned(t * hq * d);
+    c.ops
+        .paged_attention(
+            &c.upload(&q),
+            &c.upload(&kc),
+            &c.upload(&vc),
+            &meta,
+            dims,
+            scale,
+            &mut out,
+        )
+        .unwrap();
+    let what = format!(
+        "paged_attention seqs {seqs:?} hq {hq} hkv {hkv} d {d} bs {bs} splits {}",
+        plan.num_splits
+    );
+    // Outputs are convex combinations of V rows (|v| <= 1): an absolute bound.
+    let t = match c.dtype {
+        DType::F32 => Tol {
+            abs: 2e-5,
+            rel: 0.0,
+        },
+        dt => tol(dt, 2.0),
+    };
+    assert_close(&what, c.dtype, &c.download(&out, want.len()), &want, t);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn paged_attention_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(8);
+        // A mixed step: fresh prefill, chunk over a cached prefix crossing blocks,
+        // decodes (one with a single key), a prefill longer than several tiles.
+        let mixed = [(0, 37), (45, 20), (100, 1), (0, 1), (16, 16), (3, 70)];
+        attention_case(&c, &mut r, &mixed, 16, 8, 128, 16); // Qwen3-0.6B's group
+        attention_case(&c, &mut r, &mixed, 14, 2, 64, 16); // Qwen2.5-0.5B's group of 7
+        attention_case(&c, &mut r, &mixed, 32, 8, 64, 16); // Llama 3.2 1B's group of 4
+        attention_case(&c, &mut r, &mixed, 4, 2, 16, 4); // the tiny models
+        attention_case(&c, &mut r, &mixed, 8, 8, 32, 5); // MHA, odd block size
+                                                         // Long decodes of few sequences: the split (flash-decoding) path.
+        attention_case(&c, &mut r, &[(3000, 1), (1234, 1)], 16, 8, 128, 16);
+        attention_case(&c, &mut r, &[(4099, 1)], 32, 8, 64, 16);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn greedy_sampling_is_the_first_argmax() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(9);
+        let (rows, vocab) = (5, 151_936);
+        let mut x = c.round(&r.vec(rows * vocab, 4.0));
+        // Row 1: a tie for the maximum (the lower id wins); row 2: NaN and +inf.
+        x[vocab + 7] = 100.0;
+        x[vocab + 9000] = 100.0;
+        x[2 * vocab + 5] = f32::NAN;
+        x[2 * vocab + 77] = f32::INFINITY;
+        let params = vec![vllm_kernels::cuda::SampleRow::default(); rows];
+        let dp = g.dev.stream.clone_htod(&params).unwrap();
+        let mut out = c.ints(&vec![-1; rows]);
+        c.ops
+            .sample_tokens(&c.upload(&x), &dp, &mut out, rows, vocab)
+            .unwrap();
+        let got = g.dev.stream.clone_dtoh(&out).unwrap();
+        for row in 0..rows {
+            let rowv = &x[row * vocab..(row + 1) * vocab];
+            let mut best = 0;
+            for (i, &v) in rowv.iter().enumerate() {
+                let v = if v.is_nan() { f32::NEG_INFINITY } else { v };
+                let b = if rowv[best].is_nan() {
+                    f32::NEG_INFINITY
+                } else {
+                    rowv[best]
+                };
+                if v > b {
+                    best = i;
+                }
+            }
+            assert_eq!(got[row], best as i32, "{dtype:?} row {row}");
+        }
+        assert_eq!(got[1], 7);
+        assert_eq!(got[2], 77);
+    }
+}

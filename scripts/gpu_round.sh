@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# One GPU round for the CUDA backend, run on the GPU machine from the repository root:
+#
+#   scripts/gpu_round.sh [stage…]     stages: info kernels model serve parity parity32 bench
+#                                     (default: all but parity32)
+#
+# It runs prebuilt binaries from .gpu/ (built on the development machine, see
+# docs/CUDA_NOTES.md): vllm-rs, cuda_kernels, cuda_nvrtc, worker_tests, and the model
+# configs in .gpu/models/<name>/config.json. Random model folders are generated here.
+# Each stage's full output goes to $LOG/<stage>.log (packed into $OUT/logs.tgz when $OUT
+# is set, as on the device machine); a short table is printed last.
+# VLLM_REQUIRE_GPU=1 makes every GPU test fail (never skip) if no GPU is usable.
+
+set -uo pipefail
+G=${G:-.gpu}
+LOG=${LOG:-/tmp/gpu-round}
+mkdir -p "$LOG"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export LD_LIBRARY_PATH=$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}
+export VLLM_REQUIRE_GPU=1
+export VLLM_RS_KERNEL_CACHE=${VLLM_RS_KERNEL_CACHE:-/tmp/vllm-rs-kernel-cache}
+export RUST_LOG=${RUST_LOG:-info}
+STAGES=${*:-info kernels model serve parity bench}
+SUMMARY=()
+BIN=$G/vllm-rs
+MODELS=/tmp/vllm-rs-models
+
+# stage NAME CMD…: runs CMD with output in $LOG/NAME.log, records rc and seconds.
+stage() {
+    local name=$1
+    shift
+    local t0 t1 rc
+    t0=$(date +%s.%N)
+    "$@" >"$LOG/$name.log" 2>&1
+    rc=$?
+    t1=$(date +%s.%N)
+    SUMMARY+=("$(printf "%-18s rc=%-3s %6.1fs" "$name" "$rc" "$(awk "BEGIN{print $t1 - $t0}")")")
+    echo "== $name (rc=$rc)"
+    grep -E "SKIPPED|test result|MODEL-CHECK|SAMPLER-CHECK|PARITY|BENCH|MATCH|DIFFER|differs|build\+save|error|Error|^\|" \
+        "$LOG/$name.log" | grep -v "^\s*$" | head -40
+    grep -A4 "panicked" "$LOG/$name.log" | head -30
+    return 0
+}
+
+make_model() { # preset dir
+    [ -d "$2" ] || "$BIN" make-tiny-model --preset "$1" --out "$2" >/dev/null
+}
+
+# Greedy text on cuda vs cpu through the real processes (generate).
+served_check() {
+    local preset=$1 tokens=$2
+    local dir=$MODELS/$preset
+    make_model "$preset" "$dir"
+    local gpu cpu
+    gpu=$("$BIN" generate --model "$dir" --device cuda --prompt "Hello world, this is" \
+        --max-tokens "$tokens" --temperature 0 --ignore-eos 2>"$LOG/gen-$preset-cuda.err")
+    echo "cuda rc=$? log: $(grep -E 'KV cache size|CUDA backend ready|compiled' "$LOG/gen-$preset-cuda.err" | tr '\n' ' ' | cut -c1-400)"
+    cpu=$("$BIN" generate --model "$dir" --device cpu --prompt "Hello world, this is" \
+        --max-tokens "$tokens" --temperature 0 --ignore-eos 2>/dev/null)
+    if [ "$gpu" == "$cpu" ] && [ -n "$gpu" ]; then
+        echo "MATCH $preset greedy $tokens tokens cuda == cpu: $(echo "$gpu" | head -c 80)"
+    else
+        echo "DIFFER $preset greedy $tokens tokens"
+        echo "  cuda: $(echo "$gpu" | head -c 200)"
+        echo "  cpu:  $(echo "$cpu" | head -c 200)"
+    fi
+}
+
+serve_stage() {
+    served_check tiny-qwen3 32
+    served_check tiny-llama 32
+    served_check qwen3-0.6b 16
+    # --device auto picks the GPU here.
+    "$BIN" generate --model "$MODELS/tiny-qwen3" --prompt "Hi" --max-tokens 4 --temperature 0 \
+        2>&1 >/dev/null | grep -E "cuda:0|device" | head -3
+    # Without CUDA_HOME and LD_LIBRARY_PATH the libraries are found only if the system
+    # loader knows them; otherwise the run ends with a one-line error naming the library.
+    if env -u LD_LIBRARY_PATH CUDA_HOME=/nonexistent "$BIN" generate --model "$MODELS/tiny-qwen3" \
+        --device cuda --prompt "Hi" --max-tokens 2 >/dev/null 2>"$LOG/nolib.err"; then
+        echo "without CUDA_HOME/LD_LIBRARY_PATH: ran (the system loader path has the libraries)"
+    else
+        echo "without CUDA_HOME/LD_LIBRARY_PATH: $(grep '^error' "$LOG/nolib.err" | head -1)"
+    fi
+}
+
+# Seconds from `serve` to the first /health 200.
+time_to_health() {
+    local dir=$1 port=$2
+    local t0 t1
+    t0=$(date +%s.%N)
+    "$BIN" serve --model "$dir" --port "$port" --device cuda >"$LOG/serve-$port.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 1200); do
+        if curl -sf "localhost:$port/health" >/dev/null 2>&1; then
+            t1=$(date +%s.%N)
+            awk "BEGIN{printf \"%.2f\", $t1 - $t0}"
+            kill "$pid" 2>/dev/null
+            wait "$pid" 2>/dev/null
+            return 0
+        fi
+        sleep 0.1
+    done
+    kill "$pid" 2>/dev/null
+    echo "timeout"
+}
+
+# 256 requests of the nanovllm-256 set, all at once, over HTTP.
+throughput() {
+    local dir=$1 port=$2
+    "$BIN" serve --model "$dir" --port "$port" --device cuda >"$LOG/serve-bench.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 1200); do
+        curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    python3 - "$port" "$G/nanovllm-256.jsonl" "${BENCH_DEADLINE:-200}" <<'EOF'
+import json, sys, time, threading, urllib.request
+port, path, deadline = sys.argv[1], sys.argv[2], float(sys.argv[3])
+rows = [json.loads(l) for l in open(path)]
+res = [None] * len(rows)
+def one(i, r):
+    body = json.dumps({"prompt": r["prompt_token_ids"], "max_tokens": r["max_tokens"],
+                       "temperature": 0.6, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://localhost:{port}/v1/completions", body,
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as f:
+        res[i] = json.load(f)["usage"]["completion_tokens"]
+t0 = time.time()
+ts = [threading.Thread(target=one, args=(i, r), daemon=True) for i, r in enumerate(rows)]
+[t.start() for t in ts]
+for t in ts:
+    t.join(max(0.0, deadline - (time.time() - t0)))
+dt = time.time() - t0
+done = sum(1 for x in res if x)
+out = sum(x or 0 for x in res)
+note = "" if done == len(rows) else f" (STOPPED at the {deadline:.0f}s deadline)"
+print(f"BENCH throughput nanovllm-256 T=0.6 ignore_eos: {dt:.2f}s, {done}/{len(rows)} requests, "
+      f"{out} output tokens, {out/dt:.0f} output tok/s{note}", flush=True)
+EOF
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+}
+
+bench_stage() {
+    make_model qwen3-0.6b "$MODELS/qwen3-0.6b"
+    rm -rf "$VLLM_RS_KERNEL_CACHE"
+    echo "BENCH serve→/health 200, cold kernel cache: $(time_to_health "$MODELS/qwen3-0.6b" 8101)s"
+    echo "BENCH serve→/health 200, warm kernel cache: $(time_to_health "$MODELS/qwen3-0.6b" 8102)s"
+    "$G/worker_tests" --ignored --exact backend::cuda::tests::decode_latency_bench --nocapture 2>&1 |
+        grep -E "BENCH|panicked|error" | head
+    throughput "$MODELS/qwen3-0.6b" 8103
+}
+
+for s in $STAGES; do
+    case $s in
+    info) stage info bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; ls $CUDA_HOME/lib64 | grep -E 'libnvrtc.so|libcublas.so' | head" ;;
+    kernels) stage kernels bash -c "$G/cuda_nvrtc --ignored && $G/cuda_kernels --ignored --test-threads=1" ;;
+    model) stage model "$G/worker_tests" backend::cuda --ignored --skip hf_parity_dump --skip decode_latency_bench --test-threads=1 --nocapture ;;
+    serve) stage serve serve_stage ;;
+    parity) stage parity python3 scripts/hf_parity.py --configs "$G/models" --test-bin "$G/worker_tests" --work /tmp/vllm-rs-parity --out "$LOG/parity.md" ;;
+    parity32) stage parity32 python3 scripts/hf_parity.py --dtype float32 --configs "$G/models" --test-bin "$G/worker_tests" --work /tmp/vllm-rs-parity32 --out "$LOG/parity32.md" ;;
+    bench) stage bench bench_stage ;;
+    *) echo "unknown stage $s" ;;
+    esac
+done
+
+[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$LOG" . 2>/dev/null
+echo
+echo "== GPU round summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1))"
+printf '%s\n' "${SUMMARY[@]}"

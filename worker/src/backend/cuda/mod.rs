@@ -1,0 +1,477 @@
+//! `CudaBackend`: the `Backend` on one NVIDIA GPU through cudarc: weights, activations and
+//! the KV cache in bf16 (fp16 or f32 when asked), GEMMs in cuBLAS with f32 accumulation,
+//! every other op a kernel of `vllm_kernels::cuda` compiled by NVRTC.
+//!
+//! Everything runs on one stream, in order, so ops never wait for the GPU; the host only
+//! waits where it reads results back (`to_host`, sampled tokens). Shapes and the
+//! host-visible metadata (positions, slots, block tables) are checked on the host before a
+//! launch, so bad input is an error rather than a stray memory access.
+
+pub mod memory;
+pub mod sampling;
+pub mod tensor;
+
+#[cfg(test)]
+mod tests;
+
+use std::cell::{Cell, OnceCell};
+
+use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::CudaSlice;
+use vllm_kernels::cpu::attention::PagedAttentionShape;
+use vllm_kernels::cuda::{
+    AttentionDims, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType, Gemm,
+};
+
+use tensor::DevicePlan;
+pub use tensor::{CudaInts, CudaTensor};
+
+use super::{Backend, StepMetadata};
+use crate::sampler::seeded_uniform;
+use crate::weights::HostTensor;
+
+/// CUDA devices the driver reports; 0 without a driver (`--device auto`).
+pub fn device_count() -> usize {
+    vllm_kernels::cuda::libs::device_count()
+}
+
+pub struct CudaBackend {
+    pub dev: CudaDevice,
+    pub ops: CudaOps,
+    gemm: Gemm,
+    dtype: DType,
+    /// Draws of requests without a seed: a counter-based stream of their own.
+    unseeded_draws: Cell<u64>,
+}
+
+impl CudaBackend {
+    /// Opens GPU `rank` (one process per GPU) and builds the kernels of `dtype`.
+    pub fn new(rank: u32, world_size: u32, dtype: DType) -> Result<Self> {
+        ensure!(
+            world_size == 1,
+            "the CUDA backend runs one GPU per engine for now (tensor-parallel size \
+             {world_size} requested; NCCL support is a later issue)"
+        );
+        let dev = CudaDevice::open(rank as usize)?;
+        let ops = CudaOps::new(&dev, dtype)?;
+        let gemm = Gemm::new(dev.stream.clone(), dtype)?;
+        Ok(Self {
+            dev,
+            ops,
+            gemm,
+            dtype,
+            unseeded_draws: Cell::new(0),
+        })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The next uniform of the stream of unseeded requests (`seed` is the engine's).
+    pub fn next_unseeded_uniform(&self, seed: u64) -> f64 {
+        let n = self.unseeded_draws.get();
+        self.unseeded_draws.set(n + 1);
+        // A different key than any request seed's stream would use by accident.
+        seeded_uniform(seed ^ 0x005E_ED0F_C0DA_u64, n)
+    }
+
+    fn tensor(&self, shape: Vec<usize>) -> Result<CudaTensor> {
+        let buf = self.ops.alloc(shape.iter().product())?;
+        Ok(CudaTensor { shape, buf })
+    }
+
+    /// Copies i32 metadata to the device (at least one element: empty buffers are not
+    /// allocatable).
+    pub fn upload_i32(&self, data: &[i32]) -> Result<CudaSlice<i32>> {
+        let padded;
+        let src = if data.is_empty() {
+            padded = [0i32];
+            &padded[..]
+        } else {
+            data
+        };
+        self.dev
+            .stream
+            .clone_htod(src)
+            .map_err(|e| anyhow::anyhow!("copying {} ints to the GPU: {e:?}", data.len()))
+    }
+
+    /// The attention plan of this step, built by the first layer and reused by the rest.
+    fn attention_plan<'a>(
+        &self,
+        meta: &'a StepMetadata<Self>,
+        shape: &PagedAttentionShape,
+        num_cache_blocks: usize,
+    ) -> Result<&'a DevicePlan> {
+        let cell: &OnceCell<DevicePlan> = &meta.query_start_loc.attention_plan;
+        if let Some(p) = cell.get() {
+            return Ok(p);
+        }
+        check_block_tables(meta, shape, num_cache_blocks)?;
+        let plan = AttentionPlan::new(
+            &meta.query_start_loc.host,
+            &meta.seq_lens.host,
+            shape.num_q_heads,
+            shape.num_kv_heads,
+            self.dev.num_sms,
+        )?;
+        let dp = DevicePlan {
+            tile_seq: self.upload_i32(&plan.tile_seq)?,
+            tile_token: self.upload_i32(&plan.tile_token)?,
+            plan,
+        };
+        Ok(cell.get_or_init(|| dp))
+    }
+}
+
+/// Every block a sequence reads lies inside the pool, and every row is long enough.
+fn check_block_tables(
+    meta: &StepMetadata<CudaBackend>,
+    shape: &PagedAttentionShape,
+    num_cache_blocks: usize,
+) -> Result<()> {
+    let width = shape.max_blocks_per_seq;
+    ensure!(
+        meta.block_tables.host.len() == meta.num_seqs * width,
+        "block_tables: {} entries for {} sequences of {width}",
+        meta.block_tables.host.len(),
+        meta.num_seqs
+    );
+    for (s, &len) in meta.seq_lens.host.iter().enumerate() {
+        let used = (len.max(0) as usize).div_ceil(shape.block_size);
+        ensure!(
+            used <= width,
+            "sequence {s}: {len} tokens need {used} blocks, the table holds {width}"
+        );
+        let row = &meta.block_tables.host[s * width..s * width + used];
+        if let Some(&b) = row
+            .iter()
+            .find(|&&b| b < 0 || b as usize >= num_cache_blocks)
+        {
+            bail!("sequence {s}: block {b} outside the KV cache of {num_cache_blocks} blocks");
+        }
+    }
+    Ok(())
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Ints = CudaInts;
+
+    fn device_name(&self) -> String {
+        format!("cuda:{}", self.dev.ordinal)
+    }
+    fn dtype_name(&self) -> &'static str {
+        self.dtype.name()
+    }
+    fn kv_cache_element_bytes(&self) -> usize {
+        self.dtype.size()
+    }
+
+    fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {
+        let bytes = self.dtype.encode(&t.data);
+        let buf = if bytes.is_empty() {
+            self.ops.alloc(1)?
+        } else {
+            self.dev
+                .stream
+                .clone_htod(&bytes)
+                .map_err(|e| anyhow::anyhow!("copying a {:?} tensor to the GPU: {e:?}", t.shape))?
+        };
+        Ok(CudaTensor {
+            shape: t.shape.clone(),
+            buf,
+        })
+    }
+
+    fn upload_ints(&self, data: &[i32]) -> Result<CudaInts> {
+        Ok(CudaInts {
+            dev: self.upload_i32(data)?,
+            host: data.to_vec(),
+            attention_plan: OnceCell::new(),
+        })
+    }
+
+    fn to_host(&self, t: &CudaTensor) -> Result<HostTensor> {
+        let bytes = t.numel() * self.dtype.size();
+        let mut all = self
+            .dev
+            .stream
+            .clone_dtoh(&t.buf)
+            .map_err(|e| anyhow::anyhow!("copying a {:?} tensor from the GPU: {e:?}", t.shape))
+            .context("a kernel of this step may have failed")?;
+        all.truncate(bytes);
+        Ok(HostTensor::new(t.shape.clone(), self.dtype.decode(&all)))
+    }
+
+    fn alloc_kv_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<CudaTensor> {
+        let shape = vec![num_blocks, block_size, num_kv_heads, head_dim];
+        let buf = self
+            .ops
+            .alloc_zeros(shape.iter().product())
+            .with_context(|| format!("allocating a KV cache layer of {num_blocks} blocks"))?;
+        Ok(CudaTensor { shape, buf })
+    }
+
+    fn embedding(
+        &self,
+        table: &CudaTensor,
+        ids: &CudaInts,
+        vocab_start: usize,
+    ) -> Result<CudaTensor> {
+        let (n, hidden) = (ids.host.len(), table.cols());
+        let mut out = self.tensor(vec![n, hidden])?;
+        self.ops.embedding(
+            &ids.dev,
+            &table.buf,
+            &mut out.buf,
+            n,
+            hidden,
+            vocab_start,
+            table.rows(),
+        )?;
+        Ok(out)
+    }
+
+    fn linear(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+    ) -> Result<CudaTensor> {
+        let (m, k, n) = (x.rows(), x.cols(), w.rows());
+        ensure!(
+            w.cols() == k,
+            "linear: x has {k} columns, weight {:?}",
+            w.shape
+        );
+        let mut out = self.tensor(vec![m, n])?;
+        self.gemm.linear(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
+        if let Some(b) = bias {
+            ensure!(b.numel() == n, "linear: bias {:?} for {n} outputs", b.shape);
+            self.ops.add_bias(&mut out.buf, &b.buf, m, n)?;
+        }
+        Ok(out)
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
+        let hidden = weight.numel();
+        ensure!(
+            x.cols() == hidden,
+            "rms_norm: x {:?}, weight {hidden}",
+            x.shape
+        );
+        let mut out = self.tensor(vec![x.rows(), hidden])?;
+        self.ops
+            .rms_norm(&x.buf, &weight.buf, &mut out.buf, x.rows(), hidden, eps)?;
+        Ok(out)
+    }
+
+    fn fused_add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        residual: &mut CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<()> {
+        let hidden = weight.numel();
+        ensure!(
+            x.shape == residual.shape && x.cols() == hidden,
+            "fused_add_rms_norm: x {:?}, residual {:?}, weight {hidden}",
+            x.shape,
+            residual.shape
+        );
+        let rows = x.rows();
+        self.ops.fused_add_rms_norm(
+            &mut x.buf,
+            &mut residual.buf,
+            &weight.buf,
+            rows,
+            hidden,
+            eps,
+        )
+    }
+
+    fn rms_norm_per_head(&self, x: &mut CudaTensor, weight: &CudaTensor, eps: f32) -> Result<()> {
+        let head_dim = weight.numel();
+        ensure!(
+            x.numel().is_multiple_of(head_dim),
+            "rms_norm_per_head: x {:?} vs head_dim {head_dim}",
+            x.shape
+        );
+        let heads = x.numel() / head_dim;
+        self.ops
+            .rms_norm_per_head(&mut x.buf, &weight.buf, heads, head_dim, eps)
+    }
+
+    fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
+        let (rows, cols) = (x.rows(), x.cols());
+        ensure!(
+            widths.iter().sum::<usize>() == cols,
+            "split_cols: widths {widths:?} vs {cols} columns"
+        );
+        let mut start = 0;
+        let mut parts = Vec::with_capacity(widths.len());
+        for &w in widths {
+            let mut part = self.tensor(vec![rows, w])?;
+            self.ops
+                .split_cols(&x.buf, &mut part.buf, rows, cols, start, w)?;
+            parts.push(part);
+            start += w;
+        }
+        Ok(parts)
+    }
+
+    fn rotary_embedding(
+        &self,
+        positions: &CudaInts,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        head_dim: usize,
+        cos_sin_cache: &CudaTensor,
+    ) -> Result<()> {
+        let rotary_dim = cos_sin_cache.cols();
+        let max_pos = cos_sin_cache.rows() as i32;
+        if let Some(&p) = positions.host.iter().find(|&&p| p < 0 || p >= max_pos) {
+            bail!("position {p} outside the rotary cache (max_model_len {max_pos})");
+        }
+        let t = positions.host.len();
+        ensure!(
+            t > 0 || q.numel() == 0,
+            "rotary: no positions for q {:?}",
+            q.shape
+        );
+        if t == 0 {
+            return Ok(());
+        }
+        let (qh, kh) = (q.numel() / (t * head_dim), k.numel() / (t * head_dim));
+        self.ops.rotary_embedding_neox(
+            &positions.dev,
+            &mut q.buf,
+            &mut k.buf,
+            &cos_sin_cache.buf,
+            t,
+            qh,
+            kh,
+            head_dim,
+            rotary_dim,
+        )
+    }
+
+    fn reshape_and_cache(
+        &self,
+        key: &CudaTensor,
+        value: &CudaTensor,
+        key_cache: &mut CudaTensor,
+        value_cache: &mut CudaTensor,
+        slot_mapping: &CudaInts,
+    ) -> Result<()> {
+        let kv_row: usize = key_cache.shape[2..].iter().product();
+        let num_slots = key_cache.shape[0] * key_cache.shape[1];
+        if let Some(&s) = slot_mapping
+            .host
+            .iter()
+            .find(|&&s| s >= 0 && s as usize >= num_slots)
+        {
+            bail!("reshape_and_cache: slot {s} outside the cache of {num_slots} slots");
+        }
+        let t = slot_mapping.host.len();
+        ensure!(
+            key.numel() == t * kv_row && value.numel() == t * kv_row,
+            "reshape_and_cache: key {:?}, value {:?} for {t} tokens of {kv_row}",
+            key.shape,
+            value.shape
+        );
+        self.ops.reshape_and_cache(
+            &key.buf,
+            &value.buf,
+            &mut key_cache.buf,
+            &mut value_cache.buf,
+            &slot_mapping.dev,
+            t,
+            kv_row,
+        )
+    }
+
+    fn paged_attention(
+        &self,
+        q: &CudaTensor,
+        key_cache: &CudaTensor,
+        value_cache: &CudaTensor,
+        meta: &StepMetadata<Self>,
+        shape: &PagedAttentionShape,
+        scale: f32,
+    ) -> Result<CudaTensor> {
+        let num_tokens = meta.num_tokens;
+        ensure!(
+            q.numel() == num_tokens * shape.num_q_heads * shape.head_dim,
+            "paged_attention: q {:?} for {num_tokens} tokens",
+            q.shape
+        );
+        let dp = self.attention_plan(meta, shape, key_cache.shape[0])?;
+        let mut out = self.tensor(vec![num_tokens, shape.num_q_heads * shape.head_dim])?;
+        let am = AttentionMeta {
+            block_tables: &meta.block_tables.dev,
+            max_blocks_per_seq: shape.max_blocks_per_seq,
+            seq_lens: &meta.seq_lens.dev,
+            query_start_loc: &meta.query_start_loc.dev,
+            tile_seq: &dp.tile_seq,
+            tile_token: &dp.tile_token,
+            plan: &dp.plan,
+        };
+        let dims = AttentionDims {
+            num_tokens,
+            num_q_heads: shape.num_q_heads,
+            num_kv_heads: shape.num_kv_heads,
+            head_dim: shape.head_dim,
+            block_size: shape.block_size,
+        };
+        self.ops.paged_attention(
+            &q.buf,
+            &key_cache.buf,
+            &value_cache.buf,
+            &am,
+            dims,
+            scale,
+            &mut out.buf,
+        )?;
+        Ok(out)
+    }
+
+    fn silu_and_mul(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let d = x.cols() / 2;
+        let mut out = self.tensor(vec![x.rows(), d])?;
+        self.ops.silu_and_mul(&x.buf, &mut out.buf, x.rows(), d)?;
+        Ok(out)
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, indices: &CudaInts) -> Result<CudaTensor> {
+        if let Some(&i) = indices
+            .host
+            .iter()
+            .find(|&&i| i < 0 || i as usize >= x.rows())
+        {
+            bail!("gather_rows: row {i} of {}", x.rows());
+        }
+        let (n, cols) = (indices.host.len(), x.cols());
+        let mut out = self.tensor(vec![n, cols])?;
+        self.ops
+            .gather_rows(&x.buf, &indices.dev, &mut out.buf, n, cols)?;
+        Ok(out)
+    }
+
+    fn all_reduce(&self, _x: &mut CudaTensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn all_gather_cols(&self, x: CudaTensor) -> Result<CudaTensor> {
+        Ok(x)
+    }
+}

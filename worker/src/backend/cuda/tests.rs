@@ -1,0 +1,555 @@
+//! GPU checks of the CUDA backend against the CPU backend, run by `scripts/gpu_round.sh`.
+//! They are `#[ignore]`d, so a GPU-less `cargo test` reports them as ignored; the GPU script
+//! runs them with `--ignored` and VLLM_REQUIRE_GPU set, which turns a missing GPU into a failure.
+//!
+//! - the whole model, CUDA (bf16 and f32) vs CPU: a batched step of chunked prefills and
+//!   decodes through shuffled blocks; logits max/mean abs diff and greedy agreement;
+//! - the GPU sampler vs the CPU sampler on the same rows and uniforms;
+//! - `hf_parity_dump` (ignored; driven by scripts/hf_parity.py through env vars): prefill
+//!   logits and greedy continuations for the transformers comparison.
+
+use std::path::Path;
+
+use anyhow::{ensure, Result};
+use vllm_kernels::cuda::{libs, DType};
+use vllm_protocol::SamplingParams;
+
+use super::{sampling, CudaBackend};
+use crate::backend::{Backend, CpuBackend, StepInputs};
+use crate::config::ModelConfig;
+use crate::kv_cache::KvCache;
+use crate::layers::TensorParallel;
+use crate::models::{variant_for, LlamaForCausalLM};
+use crate::sampler::{Sampler, SamplingRequest};
+use crate::tiny_model::{write_tiny_model, TinyModelSpec};
+use crate::weights::{HostTensor, Weights};
+
+/// Whether a GPU is there; `VLLM_REQUIRE_GPU=1` (set by scripts/gpu_round.sh) turns a
+/// missing one into a failure, so a GPU round can never pass by skipping.
+fn gpu_present() -> bool {
+    if libs::device_count() > 0 {
+        return true;
+    }
+    assert!(
+        std::env::var_os("VLLM_REQUIRE_GPU").is_none(),
+        "VLLM_REQUIRE_GPU is set but no CUDA device is usable"
+    );
+    eprintln!("SKIPPED: no CUDA device");
+    false
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// What one backend made of a batch of prompts.
+pub struct BatchRun {
+    /// Per prompt: logits [prompt_len, vocab] of every prompt position (flattened).
+    pub prefill_logits: Vec<Vec<f32>>,
+    /// Per prompt: greedy continuation.
+    pub continuations: Vec<Vec<u32>>,
+    /// Per prompt and decode step: the logits row its token was chosen from (the first
+    /// token's row is the last prefill row).
+    pub decode_logits: Vec<Vec<Vec<f32>>>,
+}
+
+/// Runs `prompts` together on backend `b`: the prefill in two chunks (so the second attends
+/// to a cached prefix), then batched greedy decode steps until each prompt has
+/// `new_tokens` new tokens, every sequence in interleaved blocks. `keep_decode_logits`
+/// keeps every decode row (for the CPU comparison; large for big vocabularies).
+pub fn run_batch<B: Backend>(
+    b: &B,
+    model_dir: &Path,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+    keep_decode_logits: bool,
+) -> Result<BatchRun> {
+    const BS: usize = 16;
+    let cfg = ModelConfig::from_model_dir(model_dir)?;
+    ensure!(
+        new_tokens >= 1 && prompts.iter().all(|p| p.len() >= 2),
+        "run_batch: prompts of at least 2 tokens and at least 1 new token"
+    );
+    let max_len = prompts.iter().map(Vec::len).max().unwrap_or(1) + new_tokens;
+    let weights = Weights::open(model_dir)?;
+    let model = LlamaForCausalLM::load(
+        b,
+        &weights,
+        &cfg,
+        variant_for(&cfg),
+        TensorParallel::SINGLE,
+        max_len,
+        |_| {},
+    )?;
+    let blocks_per_seq = max_len.div_ceil(BS);
+    let num_blocks = blocks_per_seq * prompts.len();
+    // Sequence s owns blocks s, s + n, s + 2n, … (interleaved, never contiguous).
+    let table = |s: usize| -> Vec<i32> {
+        (0..blocks_per_seq)
+            .map(|j| (j * prompts.len() + (prompts.len() - 1 - s)) as i32)
+            .collect()
+    };
+    let mut cache = KvCache::allocate(
+        b,
+        cfg.num_hidden_layers,
+        num_blocks,
+        BS,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    )?;
+    let vocab = cfg.vocab_size;
+    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
+    let mut done: Vec<usize> = vec![0; prompts.len()];
+    let mut run = BatchRun {
+        prefill_logits: vec![Vec::new(); prompts.len()],
+        continuations: vec![Vec::new(); prompts.len()],
+        decode_logits: vec![Vec::new(); prompts.len()],
+    };
+    // Steps: the prompts' first halves, their second halves (both with logits at every
+    // position), then new_tokens - 1 batched decode steps.
+    let half: Vec<usize> = prompts.iter().map(|p| p.len() / 2).collect();
+    let mut plan: Vec<Vec<usize>> = vec![
+        half.clone(),
+        prompts
+            .iter()
+            .zip(&half)
+            .map(|(p, h)| p.len() - h)
+            .collect(),
+    ];
+    plan.extend((1..new_tokens).map(|_| vec![1; prompts.len()]));
+    for (step_no, counts) in plan.iter().enumerate() {
+        let prefill = step_no < 2;
+        let mut inputs = StepInputs {
+            max_blocks_per_seq: blocks_per_seq,
+            query_start_loc: vec![0],
+            ..Default::default()
+        };
+        let mut active = Vec::new();
+        for (s, &n) in counts.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            active.push(s);
+            let t = table(s);
+            for p in done[s]..done[s] + n {
+                inputs.input_ids.push(seqs[s][p] as i32);
+                inputs.positions.push(p as i32);
+                inputs
+                    .slot_mapping
+                    .push(t[p / BS] * BS as i32 + (p % BS) as i32);
+            }
+            inputs.block_tables.extend(&t);
+            inputs.seq_lens.push((done[s] + n) as i32);
+            let start = *inputs.query_start_loc.last().unwrap_or(&0);
+            inputs.query_start_loc.push(start + n as i32);
+            if prefill {
+                inputs.logits_indices.extend(start..start + n as i32);
+            } else {
+                inputs.logits_indices.push(start + n as i32 - 1);
+            }
+        }
+        if active.is_empty() {
+            continue;
+        }
+        let meta = b.upload_step(&inputs)?;
+        let hidden = model.forward(b, &meta, &mut cache)?;
+        let logits = b.to_host(&model.compute_logits(b, &hidden, &meta)?)?.data;
+        let mut rows = logits.chunks_exact(vocab.max(1));
+        for &s in &active {
+            let n = counts[s];
+            let take = if prefill { n } else { 1 };
+            for _ in 0..take {
+                let r = rows
+                    .next()
+                    .ok_or_else(|| anyhow::anyhow!("missing logits row"))?;
+                if prefill {
+                    run.prefill_logits[s].extend_from_slice(r);
+                } else {
+                    let tok = argmax(r);
+                    if keep_decode_logits {
+                        run.decode_logits[s].push(r.to_vec());
+                    }
+                    run.continuations[s].push(tok);
+                    seqs[s].push(tok);
+                }
+            }
+            done[s] += n;
+        }
+        // The prompt's first generated token comes from its last prefill row.
+        if step_no == 1 {
+            for (s, seq) in seqs.iter_mut().enumerate() {
+                let rows = &run.prefill_logits[s];
+                let tok = argmax(&rows[rows.len() - vocab..]);
+                run.continuations[s].push(tok);
+                seq.push(tok);
+            }
+        }
+    }
+    Ok(run)
+}
+
+fn prompts(n: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|i| {
+            let len = 3 + (i * 7 + seed as usize) % 37;
+            (0..len)
+                .map(|j| ((i as u64 * 7919 + j as u64 * 104_729 + seed * 31) % vocab as u64) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+#[derive(Debug)]
+struct Diff {
+    max_abs: f32,
+    mean_abs: f32,
+}
+
+fn diff(a: &[f32], b: &[f32]) -> Diff {
+    assert_eq!(a.len(), b.len(), "diff: lengths");
+    let mut max_abs = 0f32;
+    let mut sum = 0f64;
+    for (x, y) in a.iter().zip(b) {
+        let d = (x - y).abs();
+        assert!(!d.is_nan(), "NaN in logits");
+        max_abs = max_abs.max(d);
+        sum += f64::from(d);
+    }
+    Diff {
+        max_abs,
+        mean_abs: (sum / a.len().max(1) as f64) as f32,
+    }
+}
+
+/// The random model of `preset` (seed 0, as `vllm-rs make-tiny-model --preset` writes
+/// it) under the temp folder, written once and shared by the tests and the GPU round.
+fn model_dir(preset: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join("vllm-rs-models").join(preset);
+    if !dir.join("config.json").is_file() {
+        let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+        let spec = TinyModelSpec::preset(preset).unwrap();
+        write_tiny_model(&tmp, &spec).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&tmp, &dir).unwrap();
+    }
+    dir
+}
+
+/// CUDA vs CPU on one model: prints a table row, checks the bounds.
+fn compare_model(preset: &str, dtype: DType, new_tokens: usize, max_abs_bound: f32) {
+    let dir = model_dir(preset);
+    let spec = TinyModelSpec::preset(preset).unwrap();
+    let ps = prompts(6, spec.vocab, 1);
+    let cpu = run_batch(&CpuBackend::new(1).unwrap(), &dir, &ps, new_tokens, true).unwrap();
+    let gpu = CudaBackend::new(0, 1, dtype).unwrap();
+    let cuda = run_batch(&gpu, &dir, &ps, new_tokens, true).unwrap();
+    let mut worst = Diff {
+        max_abs: 0.0,
+        mean_abs: 0.0,
+    };
+    let mut agree = 0;
+    let mut total = 0;
+    for s in 0..ps.len() {
+        let d = diff(&cpu.prefill_logits[s], &cuda.prefill_logits[s]);
+        worst.max_abs = worst.max_abs.max(d.max_abs);
+        worst.mean_abs = worst.mean_abs.max(d.mean_abs);
+        // Decode rows: compare while the two continuations agree (same inputs).
+        let same = cpu.continuations[s]
+            .iter()
+            .zip(&cuda.continuations[s])
+            .take_while(|(a, b)| a == b)
+            .count();
+        for k in 0..same.min(cpu.decode_logits[s].len()) {
+            let d = diff(&cpu.decode_logits[s][k], &cuda.decode_logits[s][k]);
+            worst.max_abs = worst.max_abs.max(d.max_abs);
+            worst.mean_abs = worst.mean_abs.max(d.mean_abs);
+        }
+        agree += same;
+        total += new_tokens;
+    }
+    println!(
+        "MODEL-CHECK {preset:<14} {:<8} logits max|d| {:.5} mean|d| {:.6} greedy agree {agree}/{total}",
+        dtype.name(),
+        worst.max_abs,
+        worst.mean_abs
+    );
+    assert!(
+        worst.max_abs <= max_abs_bound,
+        "{preset} {dtype:?}: max |logit diff| {} over {max_abs_bound}",
+        worst.max_abs
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn cuda_model_matches_cpu_backend_in_f32() {
+    if !gpu_present() {
+        return;
+    }
+    for preset in ["tiny-qwen3", "tiny-qwen2", "tiny-llama"] {
+        compare_model(preset, DType::F32, 12, 2e-3);
+    }
+    compare_model("qwen3-0.6b", DType::F32, 4, 5e-2);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn cuda_model_matches_cpu_backend_in_bf16() {
+    if !gpu_present() {
+        return;
+    }
+    for preset in ["tiny-qwen3", "tiny-qwen2", "tiny-llama"] {
+        compare_model(preset, DType::BF16, 12, 0.25);
+    }
+    for preset in ["qwen3-0.6b", "qwen2.5-0.5b", "llama-3.2-1b"] {
+        compare_model(preset, DType::BF16, 4, 1.0);
+    }
+}
+
+/// Rows of logits with ties (values on a coarse grid), as bf16 produces them.
+fn sampler_rows(rows: usize, vocab: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..rows * vocab)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let u = (state >> 33) as f32 / (1u64 << 31) as f32;
+            ((u * 12.0 - 6.0) * 8.0).round() / 8.0
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn gpu_sampler_matches_cpu_sampler() {
+    if !gpu_present() {
+        return;
+    }
+    let b = CudaBackend::new(0, 1, DType::BF16).unwrap();
+    let cases: Vec<SamplingParams> = vec![
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 5,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.8,
+            top_p: 0.9,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.3,
+            min_p: 0.05,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.6,
+            top_k: 50,
+            top_p: 0.8,
+            min_p: 0.01,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 2.0,
+            top_p: 0.3,
+            ..Default::default()
+        },
+    ];
+    let mut agree = 0;
+    let mut total = 0;
+    for vocab in [1000usize, 151_936] {
+        let rows_per_case = if vocab > 10_000 { 4 } else { 24 };
+        for (ci, base) in cases.iter().enumerate() {
+            let logits = sampler_rows(rows_per_case, vocab, 7 + ci as u64);
+            let t = b
+                .upload(&HostTensor::new(vec![rows_per_case, vocab], logits.clone()))
+                .unwrap();
+            let mut host = b.to_host(&t).unwrap().data; // the bf16 values both sides see
+            let params: Vec<SamplingParams> = (0..rows_per_case)
+                .map(|r| SamplingParams {
+                    seed: Some(1000 + r as u64),
+                    ..base.clone()
+                })
+                .collect();
+            let outputs: Vec<Vec<u32>> = (0..rows_per_case).map(|r| vec![1; r % 5]).collect();
+            let rows: Vec<_> = params
+                .iter()
+                .zip(&outputs)
+                .map(|(p, o)| sampling::row_params(&b, p, o.len(), 0))
+                .collect();
+            let ids: Vec<i32> = (0..rows_per_case as i32).collect();
+            let gpu = sampling::sample_rows(&b, &t, &ids, &rows).unwrap();
+            let reqs: Vec<SamplingRequest> = params
+                .iter()
+                .zip(&outputs)
+                .map(|(p, o)| SamplingRequest {
+                    params: p,
+                    prompt_token_ids: &[],
+                    output_token_ids: o,
+                    eos_token_ids: &[],
+                })
+                .collect();
+            let cpu: Vec<u32> = Sampler::new(0)
+                .sample(&mut host, vocab, &reqs)
+                .into_iter()
+                .map(|(t, _)| t)
+                .collect();
+            let same = gpu.iter().zip(&cpu).filter(|(a, b)| a == b).count();
+            if same != gpu.len() {
+                println!("SAMPLER case {ci} vocab {vocab}: gpu {gpu:?} cpu {cpu:?}");
+            }
+            agree += same;
+            total += gpu.len();
+        }
+    }
+    println!("SAMPLER-CHECK gpu vs cpu tokens agree {agree}/{total}");
+    assert!(
+        agree * 100 >= total * 98,
+        "GPU sampler agrees with the CPU on {agree}/{total} rows"
+    );
+}
+
+/// Driven by scripts/hf_parity.py: VLLM_PARITY_MODEL (dir), VLLM_PARITY_PROMPTS (JSON list
+/// of token-id lists), VLLM_PARITY_OUT (dir), VLLM_PARITY_NEW_TOKENS, VLLM_PARITY_DTYPE.
+/// Writes prefill_logits.f32 (every prompt position, prompts in order) and tokens.json.
+#[test]
+#[ignore]
+fn hf_parity_dump() {
+    if !gpu_present() {
+        return;
+    }
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} is not set"));
+    let model = std::path::PathBuf::from(var("VLLM_PARITY_MODEL"));
+    let prompts: Vec<Vec<u32>> =
+        serde_json::from_str(&std::fs::read_to_string(var("VLLM_PARITY_PROMPTS")).unwrap())
+            .unwrap();
+    let out = std::path::PathBuf::from(var("VLLM_PARITY_OUT"));
+    let new_tokens: usize = std::env::var("VLLM_PARITY_NEW_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let dtype = DType::from_flag(std::env::var("VLLM_PARITY_DTYPE").ok().as_deref()).unwrap();
+    let b = CudaBackend::new(0, 1, dtype).unwrap();
+    let started = std::time::Instant::now();
+    let run = run_batch(&b, &model, &prompts, new_tokens, false).unwrap();
+    let bytes: Vec<u8> = run
+        .prefill_logits
+        .iter()
+        .flat_map(|r| r.iter().flat_map(|v| v.to_le_bytes()))
+        .collect();
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("prefill_logits.f32"), bytes).unwrap();
+    std::fs::write(
+        out.join("tokens.json"),
+        serde_json::to_string(&run.continuations).unwrap(),
+    )
+    .unwrap();
+    println!(
+        "hf_parity_dump: {} prompts, {new_tokens} tokens each, {:.1}s",
+        prompts.len(),
+        started.elapsed().as_secs_f32()
+    );
+}
+
+/// Single-request decode latency through the CUDA runner (`execute_model_cuda`: inputs,
+/// forward, GPU sampling, token back on the host; no IPC). Presets from
+/// VLLM_BENCH_PRESETS (default qwen3-0.6b); a 128-token prompt, then 256 decode steps.
+#[test]
+#[ignore]
+fn decode_latency_bench() {
+    use crate::model_runner::{ModelRunner, WorkerConfig};
+    use vllm_protocol::{CachedRequestData, NewRequestData, SchedulerOutput};
+    if !gpu_present() {
+        return;
+    }
+    let presets = std::env::var("VLLM_BENCH_PRESETS").unwrap_or_else(|_| "qwen3-0.6b".into());
+    for preset in presets.split(',') {
+        let cfg = WorkerConfig {
+            model_dir: model_dir(preset),
+            rank: 0,
+            world_size: 1,
+            device: "cuda".into(),
+            dtype: None,
+            block_size: 16,
+            max_model_len: Some(1024),
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 8,
+            kv_cache_memory_bytes: 0,
+            gpu_memory_utilization: 0.9,
+            num_gpu_blocks_override: Some(64),
+            seed: 0,
+        };
+        let mut r = ModelRunner::load_cuda(&cfg).unwrap();
+        r.profile_cuda().unwrap();
+        r.initialize_kv_cache(64).unwrap();
+        let (prompt_len, steps) = (128usize, 256usize);
+        let prompt: Vec<u32> = (0..prompt_len as u32)
+            .map(|i| (i * 31 + 7) % 1000)
+            .collect();
+        let blocks: Vec<u32> = (0..64).collect();
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens: steps as u32 + 1,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let first = SchedulerOutput {
+            scheduled_new_reqs: vec![NewRequestData {
+                req_id: "r".into(),
+                prompt_token_ids: prompt.clone(),
+                output_token_ids: vec![],
+                sampling_params: params,
+                block_ids: blocks[..(prompt_len + steps + 1).div_ceil(16)].to_vec(),
+                num_computed_tokens: 0,
+            }],
+            num_scheduled_tokens: vec![("r".into(), prompt_len as u32)],
+            total_num_scheduled_tokens: prompt_len as u32,
+            ..Default::default()
+        };
+        let t0 = std::time::Instant::now();
+        let mut tok = r.execute_model_cuda(&first).unwrap().sampled[0].token_id;
+        let prefill = t0.elapsed();
+        let mut times = Vec::with_capacity(steps);
+        for i in 0..steps {
+            let so = SchedulerOutput {
+                step_id: i as u64 + 1,
+                scheduled_cached_reqs: vec![CachedRequestData {
+                    req_id: "r".into(),
+                    new_token_ids: vec![tok],
+                    new_block_ids: vec![],
+                    num_computed_tokens: (prompt_len + i) as u32,
+                }],
+                num_scheduled_tokens: vec![("r".into(), 1)],
+                total_num_scheduled_tokens: 1,
+                ..Default::default()
+            };
+            let t = std::time::Instant::now();
+            tok = r.execute_model_cuda(&so).unwrap().sampled[0].token_id;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        println!(
+            "BENCH decode latency {preset}: mean {mean:.3} ms/token, p50 {:.3}, p90 {:.3} \
+             (prompt {prompt_len}, {steps} steps; prefill {:.1} ms)",
+            times[steps / 2],
+            times[steps * 9 / 10],
+            prefill.as_secs_f64() * 1e3
+        );
+    }
+}

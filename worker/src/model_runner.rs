@@ -207,15 +207,13 @@ impl<B: Backend> ModelRunner<B> {
         Ok(())
     }
 
-    /// Runs one step and samples a token for every request that completes its sequence.
-    pub fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
+    /// The front of every step, whichever sampler follows: applies the scheduler's deltas,
+    /// runs the forward pass, and returns the ids of the requests to sample with their
+    /// logits rows (None when this step samples nothing).
+    fn forward_step(&mut self, so: &SchedulerOutput) -> Result<Option<(Vec<String>, B::Tensor)>> {
         self.batch.update_states(so)?;
-        let mut output = ModelRunnerOutput {
-            step_id: so.step_id,
-            sampled: Vec::new(),
-        };
         if so.is_empty() {
-            return Ok(output);
+            return Ok(None);
         }
         let cache = self
             .kv_cache
@@ -232,12 +230,23 @@ impl<B: Backend> ModelRunner<B> {
         let meta = self.backend.upload_step(&step.inputs)?;
         let hidden = self.model.forward(&self.backend, &meta, cache)?;
         if step.sampled_req_ids.is_empty() {
-            return Ok(output);
+            return Ok(None);
         }
         let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
+        Ok(Some((step.sampled_req_ids, logits)))
+    }
+
+    /// Runs one step and samples a token for every request that completes its sequence.
+    pub fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
+        let mut output = ModelRunnerOutput {
+            step_id: so.step_id,
+            sampled: Vec::new(),
+        };
+        let Some((sampled_req_ids, logits)) = self.forward_step(so)? else {
+            return Ok(output);
+        };
         let mut logits = self.backend.to_host(&logits)?.data;
-        let reqs: Vec<SamplingRequest> = step
-            .sampled_req_ids
+        let reqs: Vec<SamplingRequest> = sampled_req_ids
             .iter()
             .map(|id| {
                 let s = &self.batch.requests[id];
@@ -252,8 +261,7 @@ impl<B: Backend> ModelRunner<B> {
         let sampled = self
             .sampler
             .sample(&mut logits, self.model_config.vocab_size, &reqs);
-        output.sampled = step
-            .sampled_req_ids
+        output.sampled = sampled_req_ids
             .iter()
             .zip(sampled)
             .map(|(req_id, (token_id, logprobs))| SampledToken {
@@ -267,21 +275,12 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Logits of the requests that complete in this step, without sampling (tests).
     pub fn execute_logits(&mut self, so: &SchedulerOutput) -> Result<Vec<(String, Vec<f32>)>> {
-        self.batch.update_states(so)?;
-        let cache = self
-            .kv_cache
-            .as_mut()
-            .context("execute_logits before initialize_kv_cache")?;
-        let step = self.batch.prepare_inputs(so, cache.block_size)?;
-        let meta = self.backend.upload_step(&step.inputs)?;
-        let hidden = self.model.forward(&self.backend, &meta, cache)?;
-        let logits = self
-            .backend
-            .to_host(&self.model.compute_logits(&self.backend, &hidden, &meta)?)?
-            .data;
+        let Some((sampled_req_ids, logits)) = self.forward_step(so)? else {
+            return Ok(Vec::new());
+        };
+        let logits = self.backend.to_host(&logits)?.data;
         let vocab = self.model_config.vocab_size;
-        Ok(step
-            .sampled_req_ids
+        Ok(sampled_req_ids
             .into_iter()
             .zip(logits.chunks_exact(vocab).map(<[f32]>::to_vec))
             .collect())
@@ -454,30 +453,18 @@ impl ModelRunner<CudaBackend> {
     /// device; the others (logprobs, bias, penalties, min_tokens) use the CPU sampler on
     /// their own rows only.
     pub fn execute_model_cuda(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
-        self.batch.update_states(so)?;
         let mut output = ModelRunnerOutput {
             step_id: so.step_id,
             sampled: Vec::new(),
         };
-        if so.is_empty() {
+        let Some((sampled_req_ids, logits)) = self.forward_step(so)? else {
             return Ok(output);
-        }
-        let cache = self
-            .kv_cache
-            .as_mut()
-            .context("execute_model before initialize_kv_cache")?;
-        let step = self.batch.prepare_inputs(so, cache.block_size)?;
-        let meta = self.backend.upload_step(&step.inputs)?;
-        let hidden = self.model.forward(&self.backend, &meta, cache)?;
-        if step.sampled_req_ids.is_empty() {
-            return Ok(output);
-        }
-        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
+        };
 
         let mut gpu_ids = Vec::new();
         let mut gpu_rows = Vec::new();
         let mut cpu_ids = Vec::new();
-        for (i, id) in step.sampled_req_ids.iter().enumerate() {
+        for (i, id) in sampled_req_ids.iter().enumerate() {
             let s = &self.batch.requests[id];
             let n_out = s.output_token_ids.len();
             if sampling::gpu_can_sample(&s.sampling_params, n_out) {
@@ -493,7 +480,7 @@ impl ModelRunner<CudaBackend> {
             }
         }
         let mut tokens: Vec<Option<(u32, Option<vllm_protocol::TokenLogprobs>)>> =
-            vec![None; step.sampled_req_ids.len()];
+            vec![None; sampled_req_ids.len()];
         let gpu_tokens = sampling::sample_rows(&self.backend, &logits, &gpu_ids, &gpu_rows)?;
         for (&i, t) in gpu_ids.iter().zip(gpu_tokens) {
             tokens[i as usize] = Some((t, None));
@@ -506,7 +493,7 @@ impl ModelRunner<CudaBackend> {
             let reqs: Vec<SamplingRequest> = cpu_ids
                 .iter()
                 .map(|&i| {
-                    let s = &self.batch.requests[&step.sampled_req_ids[i as usize]];
+                    let s = &self.batch.requests[&sampled_req_ids[i as usize]];
                     SamplingRequest {
                         params: &s.sampling_params,
                         prompt_token_ids: &s.prompt_token_ids,
@@ -522,8 +509,7 @@ impl ModelRunner<CudaBackend> {
                 tokens[i as usize] = Some(t);
             }
         }
-        output.sampled = step
-            .sampled_req_ids
+        output.sampled = sampled_req_ids
             .iter()
             .zip(tokens)
             .map(|(req_id, t)| {

@@ -3,7 +3,7 @@
 //! Serves `--device cpu` and is the reference the CUDA backend is checked against. It is
 //! single-rank: its tensor-parallel hooks are identities and refuse world size > 1.
 
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Result};
 use vllm_kernels::cpu as k;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 
@@ -176,10 +176,7 @@ impl Backend for CpuBackend {
         cos_sin_cache: &CpuTensor,
     ) -> Result<()> {
         let rotary_dim = cos_sin_cache.cols();
-        let max_pos = cos_sin_cache.rows() as i32;
-        if let Some(&p) = positions.iter().find(|&&p| p < 0 || p >= max_pos) {
-            bail!("position {p} outside the rotary cache (max_model_len {max_pos})");
-        }
+        super::check_rotary_positions(positions, cos_sin_cache.rows())?;
         k::rotary_embedding_neox(
             positions,
             &mut q.data,

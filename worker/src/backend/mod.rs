@@ -176,3 +176,13 @@ pub trait Backend {
     /// Identity on world size 1.
     fn all_gather_cols(&self, x: Self::Tensor) -> Result<Self::Tensor>;
 }
+
+/// Every position must have a row in the rotary cos/sin cache (of `max_pos` rows); a backend
+/// checks this before it indexes the cache with them.
+pub fn check_rotary_positions(positions: &[i32], max_pos: usize) -> Result<()> {
+    let max_pos = max_pos as i32;
+    if let Some(&p) = positions.iter().find(|&&p| p < 0 || p >= max_pos) {
+        anyhow::bail!("position {p} outside the rotary cache (max_model_len {max_pos})");
+    }
+    Ok(())
+}

@@ -6,8 +6,6 @@
 //! (the most logits rows a step can need), attending through one shared cache block and
 //! writing nothing to the cache (every slot is padding).
 
-use anyhow::Result;
-
 use crate::backend::StepInputs;
 
 /// The memory facts measured around the dummy step, in bytes.

@@ -338,10 +338,7 @@ impl Backend for CudaBackend {
         cos_sin_cache: &CudaTensor,
     ) -> Result<()> {
         let rotary_dim = cos_sin_cache.cols();
-        let max_pos = cos_sin_cache.rows() as i32;
-        if let Some(&p) = positions.host.iter().find(|&&p| p < 0 || p >= max_pos) {
-            bail!("position {p} outside the rotary cache (max_model_len {max_pos})");
-        }
+        crate::backend::check_rotary_positions(&positions.host, cos_sin_cache.rows())?;
         let t = positions.host.len();
         ensure!(
             t > 0 || q.numel() == 0,

@@ -31,7 +31,8 @@ stage() {
     shift
     local t0 t1 rc
     t0=$(date +%s.%N)
-    "$@" >"$LOG/$name.log" 2>&1
+    # A stage that hangs is killed (rc 124) instead of eating the whole call.
+    timeout -k 5 "${STAGE_TIMEOUT:-300}" bash -c '"$@"' _ "$@" >"$LOG/$name.log" 2>&1
     rc=$?
     t1=$(date +%s.%N)
     SUMMARY+=("$(printf "%-18s rc=%-3s %6.1fs" "$name" "$rc" "$(awk "BEGIN{print $t1 - $t0}")")")
@@ -142,24 +143,46 @@ EOF
 }
 
 bench_stage() {
-    make_model qwen3-0.6b "$MODELS/qwen3-0.6b"
+    local m=$MODELS/qwen3-0.6b
+    make_model qwen3-0.6b "$m"
     rm -rf "$VLLM_RS_KERNEL_CACHE"
-    echo "BENCH serve→/health 200, cold kernel cache: $(time_to_health "$MODELS/qwen3-0.6b" 8101)s"
-    echo "BENCH serve→/health 200, warm kernel cache: $(time_to_health "$MODELS/qwen3-0.6b" 8102)s"
-    "$G/worker_tests" --ignored --exact backend::cuda::tests::decode_latency_bench --nocapture 2>&1 |
-        grep -E "BENCH|panicked|error" | head
-    throughput "$MODELS/qwen3-0.6b" 8103
+    echo "BENCH serve→/health 200, cold kernel cache: $(time_to_health "$m" 8101)s"
+    echo "BENCH serve→/health 200, warm kernel cache: $(time_to_health "$m" 8102)s"
+    offline_bench "$m"
+    # The same workload over HTTP (serve + 256 concurrent clients), when asked.
+    [ "${BENCH_HTTP:-0}" = 1 ] && throughput "$m" 8103
 }
+
+# vllm-rs bench latency and bench throughput (in-process, no HTTP).
+offline_bench() {
+    local m=$1 att
+    make_model qwen3-0.6b "$m"
+    for att in ${ATTENTION_BACKENDS:-flash cuda-core}; do
+        echo "BENCH latency qwen3-0.6b --attention-backend $att (128 prompt, 256 output, batch 1):"
+        "$BIN" bench latency --model "$m" --device cuda --attention-backend "$att" --input-len 128 \
+            --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
+            2>"$LOG/bench-latency-$att.err" | sed 's/^/BENCH   /'
+        echo "BENCH throughput nanovllm-256 --attention-backend $att (bench throughput, in-process):"
+        "$BIN" bench throughput --model "$m" --device cuda --attention-backend "$att" \
+            --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
+            2>"$LOG/bench-throughput-$att.err" | sed 's/^/BENCH   /'
+    done
+}
+
+export G LOG BIN MODELS
+export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench
 
 for s in $STAGES; do
     case $s in
     info) stage info bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; ls $CUDA_HOME/lib64 | grep -E 'libnvrtc.so|libcublas.so' | head" ;;
-    kernels) stage kernels bash -c "$G/cuda_nvrtc --ignored && $G/cuda_kernels --ignored --test-threads=1" ;;
+    kernels) stage kernels bash -c "$G/cuda_nvrtc --ignored && $G/cuda_kernels --ignored --test-threads=1 --nocapture" ;;
     model) stage model "$G/worker_tests" backend::cuda --ignored --skip hf_parity_dump --skip decode_latency_bench --test-threads=1 --nocapture ;;
     serve) stage serve serve_stage ;;
+    serve-quick) stage serve-quick served_check qwen3-0.6b 16 ;;
     parity) stage parity python3 scripts/hf_parity.py --configs "$G/models" --test-bin "$G/worker_tests" --work /tmp/vllm-rs-parity --out "$LOG/parity.md" ;;
     parity32) stage parity32 python3 scripts/hf_parity.py --dtype float32 --configs "$G/models" --test-bin "$G/worker_tests" --work /tmp/vllm-rs-parity32 --out "$LOG/parity32.md" ;;
     bench) stage bench bench_stage ;;
+    offline-bench) stage offline-bench offline_bench "$MODELS/qwen3-0.6b" ;;
     *) echo "unknown stage $s" ;;
     esac
 done

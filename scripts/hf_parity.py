@@ -93,7 +93,7 @@ def hf_side(model, prompts):
     return prefill, tokens, rows
 
 
-def ours(test_bin, model_dir, prompts, work, dtype):
+def ours(test_bin, model_dir, prompts, work, dtype, attention):
     os.makedirs(work, exist_ok=True)
     pfile = os.path.join(work, "prompts.json")
     with open(pfile, "w") as f:
@@ -106,6 +106,7 @@ def ours(test_bin, model_dir, prompts, work, dtype):
         VLLM_PARITY_OUT=out,
         VLLM_PARITY_NEW_TOKENS=str(NEW_TOKENS),
         VLLM_PARITY_DTYPE=dtype,
+        VLLM_PARITY_ATTENTION=attention,
         VLLM_REQUIRE_GPU="1",
     )
     cmd = [test_bin, "--ignored", "--exact", "backend::cuda::tests::hf_parity_dump", "--nocapture"]
@@ -157,6 +158,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="compute dtype of both sides (weights are bf16 either way); "
                          "float32 checks the semantics without bf16 rounding noise")
+    ap.add_argument("--attention", default="cuda-core", choices=["cuda-core", "flash"],
+                    help="vllm-rs's attention kernels (--attention-backend)")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -175,7 +178,8 @@ def main():
         torch.cuda.empty_cache()
         t2 = time.time()
         our_flat, our_tokens = ours(args.test_bin, mdir, prompts,
-                                    os.path.join(args.work, name + "-run"), args.dtype)
+                                    os.path.join(args.work, name + "-run"), args.dtype,
+                                    args.attention)
         print(f"  {name}: build+save {t1 - t0:.0f}s, transformers {t2 - t1:.0f}s, "
               f"vllm-rs {time.time() - t2:.0f}s", flush=True)
         r = compare(name, config, prompts, hf_prefill, hf_tokens, hf_rows, our_flat, our_tokens)

@@ -66,3 +66,41 @@ fn an_unsupported_architecture_is_reported_not_panicked() {
     assert!(stderr.contains("MambaForCausalLM"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn load_format_dummy_needs_only_config_and_tokenizer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny_model().join(f), dir.path().join(f)).expect("copy");
+    }
+    let generate = |extra: &[&str]| {
+        Command::new(exe())
+            .args(["generate", "--device", "cpu", "--model"])
+            .arg(dir.path())
+            .args(["--prompt", "Hello", "--max-tokens", "8", "--ignore-eos"])
+            .args(["--temperature", "0"])
+            .args(extra)
+            .output()
+            .expect("run generate")
+    };
+    let out = generate(&["--load-format", "dummy"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
+
+    // Without the flag the missing checkpoint is still a clear error.
+    let out = generate(&[]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no *.safetensors weights"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    // A format this engine does not read is clap's error.
+    let out = generate(&["--load-format", "gguf"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("invalid value 'gguf'"), "{stderr}");
+}

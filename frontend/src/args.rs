@@ -8,6 +8,7 @@ use anyhow::bail;
 use clap::{Args, ValueEnum};
 use vllm_engine_core::config::EngineCoreConfig;
 use vllm_engine_core::scheduler::{SchedulerConfig, SchedulingPolicy};
+use vllm_worker::config::AttentionBackend;
 use vllm_worker::model_runner::WorkerConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -16,6 +17,28 @@ pub enum Device {
     Auto,
     Cpu,
     Cuda,
+}
+
+/// vLLM's `--load-format` values this engine reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormat {
+    /// The checkpoint's safetensors.
+    Auto,
+    /// Load weights in the safetensors format.
+    Safetensors,
+    /// Random weights, for profiling and benchmarks: needs only config.json and the
+    /// tokenizer files.
+    Dummy,
+}
+
+impl From<LoadFormat> for vllm_worker::config::LoadFormat {
+    fn from(f: LoadFormat) -> Self {
+        match f {
+            LoadFormat::Auto => Self::Auto,
+            LoadFormat::Safetensors => Self::Safetensors,
+            LoadFormat::Dummy => Self::Dummy,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -74,6 +97,15 @@ pub struct EngineArgs {
     /// Weight and activation dtype: auto (the checkpoint's), bfloat16, float16, float32.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// The format of the model weights to load. "auto" loads the safetensors checkpoint;
+    /// "safetensors" loads weights in the safetensors format; "dummy" initializes the
+    /// weights with random values, which is mainly for profiling.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
+    /// CUDA attention kernels: cuda-core (the first kernel, for every token) or flash (a
+    /// bandwidth-tuned decode kernel and a tensor-core prefill kernel).
+    #[arg(long, default_value = "cuda-core", value_parser = AttentionBackend::NAMES)]
+    pub attention_backend: String,
     /// Seed of the sampler for requests without their own seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -167,6 +199,9 @@ impl EngineArgs {
             gpu_memory_utilization: self.gpu_memory_utilization as f64,
             num_gpu_blocks_override: self.num_gpu_blocks_override,
             seed: self.seed,
+            load_format: self.load_format.into(),
+            attention_backend: AttentionBackend::from_name(&self.attention_backend)
+                .unwrap_or_default(),
         })
     }
 

@@ -26,6 +26,8 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Write a random, seeded model folder (weights, config, tokenizer) for tests and benchmarks.
     MakeTinyModel(MakeTinyModelArgs),
+    /// Offline benchmarks: `bench throughput`, `bench latency`.
+    Bench(crate::bench::BenchArgs),
     /// The engine-core process (started by `serve` and `generate`).
     #[command(hide = true)]
     EngineCore {

@@ -3,6 +3,7 @@
 
 pub mod args;
 pub mod async_llm;
+pub mod bench;
 pub mod chat_template;
 pub mod cli;
 pub mod detokenizer;

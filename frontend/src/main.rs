@@ -21,6 +21,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
     match command {
         Command::Serve(args) => runtime()?.block_on(vllm_frontend::server::serve(args)),
         Command::Generate(args) => runtime()?.block_on(vllm_frontend::generate::generate(args)),
+        Command::Bench(args) => runtime()?.block_on(vllm_frontend::bench::bench(args)),
         Command::MakeTinyModel(args) => vllm_frontend::generate::make_tiny_model(&args).map(|()| 0),
         Command::EngineCore { config_json } => {
             let config = serde_json::from_str(&config_json)?;

@@ -11,7 +11,8 @@ use cudarc::driver::CudaSlice;
 use vllm_kernels::cpu;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
-    libs, AttentionDims, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType, Gemm,
+    libs, AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps,
+    DType, Gemm,
 };
 
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
@@ -466,6 +467,26 @@ fn attention_case(
     d: usize,
     bs: usize,
 ) {
+    let sixteen_bit = c.dtype != DType::F32;
+    for kernels in [
+        AttentionKernels::CUDA_CORE,
+        AttentionKernels::flash(sixteen_bit),
+    ] {
+        attention_case_with(c, r, seqs, hq, hkv, d, bs, kernels);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_case_with(
+    c: &Ctx,
+    r: &mut Lcg,
+    seqs: &[(usize, usize)],
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    bs: usize,
+    kernels: AttentionKernels,
+) {
     let num_seqs = seqs.len();
     let max_len = seqs.iter().map(|(c, q)| c + q).max().unwrap();
     let max_blocks = max_len.div_ceil(bs);
@@ -509,7 +530,7 @@ fn attention_case(
         scale,
         &mut want,
     );
-    let plan = AttentionPlan::new(&qsl, &seq_lens, hq, hkv, c.ops.num_sms).unwrap();
+    let plan = AttentionPlan::new(&qsl, &seq_lens, hq, hkv, c.ops.num_sms, kernels).unwrap();
     let meta = AttentionMeta {
         block_tables: &c.ints(&block_tables),
         max_blocks_per_seq: max_blocks,
@@ -517,6 +538,7 @@ fn attention_case(
         query_start_loc: &c.ints(&qsl),
         tile_seq: &c.ints(&plan.tile_seq),
         tile_token: &c.ints(&plan.tile_token),
+        decode_seqs: &c.ints(&plan.decode_seqs),
         plan: &plan,
     };
     let dims = AttentionDims {
@@ -539,8 +561,9 @@ fn attention_case(
         )
         .unwrap();
     let what = format!(
-        "paged_attention seqs {seqs:?} hq {hq} hkv {hkv} d {d} bs {bs} splits {}",
-        plan.num_splits
+        "paged_attention seqs {seqs:?} hq {hq} hkv {hkv} d {d} bs {bs} tiles {:?} splits {} \
+         decode partitions {}×{}",
+        plan.tile_kernel, plan.num_splits, plan.decode_partitions, plan.decode_partition
     );
     // Outputs are convex combinations of V rows (|v| <= 1): an absolute bound.
     let t = match c.dtype {
@@ -571,6 +594,23 @@ fn paged_attention_matches_cpu() {
                                                          // Long decodes of few sequences: the split (flash-decoding) path.
         attention_case(&c, &mut r, &[(3000, 1), (1234, 1)], 16, 8, 128, 16);
         attention_case(&c, &mut r, &[(4099, 1)], 32, 8, 64, 16);
+        // A full decode batch of mixed lengths (two 512-key partitions, some sequences
+        // ending in the first), and long prefills over cached prefixes (many key tiles,
+        // the causal edge inside a tile).
+        let batch: Vec<(usize, usize)> = (0..64).map(|i| (13 * i + i * i % 700, 1)).collect();
+        attention_case(&c, &mut r, &batch, 16, 8, 128, 16);
+        attention_case(
+            &c,
+            &mut r,
+            &[(300, 200), (0, 129), (1000, 3)],
+            16,
+            8,
+            128,
+            16,
+        );
+        attention_case(&c, &mut r, &[(77, 150), (0, 65)], 14, 2, 64, 16);
+        // A group of 16: decodes fall back to tiles.
+        attention_case(&c, &mut r, &[(50, 1), (10, 30)], 16, 1, 64, 16);
     }
 }
 

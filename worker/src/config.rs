@@ -37,6 +37,52 @@ impl Architecture {
     }
 }
 
+/// Where the weights come from (vLLM's `--load-format`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFormat {
+    /// The checkpoint's safetensors (the only format read so far).
+    #[default]
+    Auto,
+    /// The checkpoint's safetensors.
+    Safetensors,
+    /// Random weights of the model's names and shapes; only config.json is read.
+    Dummy,
+}
+
+impl LoadFormat {
+    /// vLLM's name of the format.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Safetensors => "safetensors",
+            Self::Dummy => "dummy",
+        }
+    }
+}
+
+/// The CUDA attention kernels (`--attention-backend`): the first, CUDA-core kernel for
+/// every token, or the decode kernel plus the tensor-core prefill ("flash").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AttentionBackend {
+    #[default]
+    CudaCore,
+    Flash,
+}
+
+impl AttentionBackend {
+    pub const NAMES: [&'static str; 2] = ["cuda-core", "flash"];
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "cuda-core" => Some(Self::CudaCore),
+            "flash" => Some(Self::Flash),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("model directory {0} does not exist")]

@@ -9,7 +9,7 @@ use vllm_protocol::{ModelInfo, ModelRunnerOutput, SampledToken, SchedulerOutput,
 
 use crate::backend::cuda::{memory, sampling};
 use crate::backend::{Backend, CpuBackend, CudaBackend};
-use crate::config::ModelConfig;
+use crate::config::{AttentionBackend, LoadFormat, ModelConfig};
 use crate::input_batch::InputBatch;
 use crate::kv_cache::{bytes_per_block, KvCache};
 use crate::layers::TensorParallel;
@@ -36,6 +36,13 @@ pub struct WorkerConfig {
     pub gpu_memory_utilization: f64,
     pub num_gpu_blocks_override: Option<u32>,
     pub seed: u64,
+    /// Where the weights come from: the checkpoint (`auto`, `safetensors`) or random
+    /// (`dummy`, vLLM's `--load-format dummy`).
+    #[serde(default)]
+    pub load_format: LoadFormat,
+    /// CUDA: which attention kernels run.
+    #[serde(default)]
+    pub attention_backend: AttentionBackend,
 }
 
 pub struct ModelRunner<B: Backend = CpuBackend> {
@@ -100,7 +107,7 @@ impl<B: Backend> ModelRunner<B> {
             size: cfg.world_size as usize,
         };
         let started = std::time::Instant::now();
-        let weights = Weights::open(&cfg.model_dir)?;
+        let weights = Weights::load(&cfg.model_dir, cfg.load_format, backend.weight_dtype())?;
         let bar = indicatif::ProgressBar::new(model_config.num_hidden_layers as u64);
         bar.set_style(
             indicatif::ProgressStyle::with_template("loading weights {bar:30} {pos}/{len} layers")
@@ -121,6 +128,7 @@ impl<B: Backend> ModelRunner<B> {
             architecture = model_config.architecture.hf_name(),
             layers = model_config.num_hidden_layers,
             device = backend.device_name(),
+            load_format = cfg.load_format.name(),
             seconds = started.elapsed().as_secs_f32(),
             "model loaded"
         );
@@ -340,12 +348,20 @@ impl ModelRunner<CudaBackend> {
     /// Opens GPU `cfg.rank` and loads the model in `--dtype` (auto: bfloat16).
     pub fn load_cuda(cfg: &WorkerConfig) -> Result<Self> {
         let dtype = vllm_kernels::cuda::DType::from_flag(cfg.dtype.as_deref())?;
-        let backend = CudaBackend::new(cfg.rank, cfg.world_size, dtype)?;
+        let kernels = match cfg.attention_backend {
+            AttentionBackend::CudaCore => vllm_kernels::cuda::AttentionKernels::CUDA_CORE,
+            AttentionBackend::Flash => {
+                vllm_kernels::cuda::AttentionKernels::flash(dtype != vllm_kernels::cuda::DType::F32)
+            }
+        };
+        let backend =
+            CudaBackend::new(cfg.rank, cfg.world_size, dtype)?.with_attention_kernels(kernels);
         tracing::info!(
             device = backend.device_name(),
             gpu = backend.dev.name,
             dtype = dtype.name(),
             kernels = ?backend.ops.build_source,
+            attention = ?cfg.attention_backend,
             "CUDA backend ready"
         );
         Self::with_backend(backend, cfg)
@@ -441,17 +457,21 @@ impl ModelRunner<CudaBackend> {
         let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
         let n = inputs.logits_indices.len();
         let params = vllm_protocol::SamplingParams::default();
-        let rows: Vec<_> = (0..n)
-            .map(|_| sampling::row_params(&self.backend, &params, 0, self.cfg.seed))
+        let reqs: Vec<SamplingRequest> = (0..n)
+            .map(|_| SamplingRequest {
+                params: &params,
+                prompt_token_ids: &[],
+                output_token_ids: &[],
+                eos_token_ids: &[],
+            })
             .collect();
-        let ids: Vec<i32> = (0..n as i32).collect();
-        sampling::sample_rows(&self.backend, &logits, &ids, &rows)?;
+        sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
         Ok(())
     }
 
-    /// `execute_model` with sampling on the GPU: rows the kernel covers never leave the
-    /// device; the others (logprobs, bias, penalties, min_tokens) use the CPU sampler on
-    /// their own rows only.
+    /// `execute_model` with sampling on the GPU: every parameter (penalties, logit bias,
+    /// min_tokens and logprobs too) is applied on the device, so the logits never leave it;
+    /// only the tokens and the asked-for logprobs come back.
     pub fn execute_model_cuda(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
         let mut output = ModelRunnerOutput {
             step_id: so.step_id,
@@ -460,67 +480,28 @@ impl ModelRunner<CudaBackend> {
         let Some((sampled_req_ids, logits)) = self.forward_step(so)? else {
             return Ok(output);
         };
-
-        let mut gpu_ids = Vec::new();
-        let mut gpu_rows = Vec::new();
-        let mut cpu_ids = Vec::new();
-        for (i, id) in sampled_req_ids.iter().enumerate() {
-            let s = &self.batch.requests[id];
-            let n_out = s.output_token_ids.len();
-            if sampling::gpu_can_sample(&s.sampling_params, n_out) {
-                gpu_ids.push(i as i32);
-                gpu_rows.push(sampling::row_params(
-                    &self.backend,
-                    &s.sampling_params,
-                    n_out,
-                    self.cfg.seed,
-                ));
-            } else {
-                cpu_ids.push(i as i32);
-            }
-        }
-        let mut tokens: Vec<Option<(u32, Option<vllm_protocol::TokenLogprobs>)>> =
-            vec![None; sampled_req_ids.len()];
-        let gpu_tokens = sampling::sample_rows(&self.backend, &logits, &gpu_ids, &gpu_rows)?;
-        for (&i, t) in gpu_ids.iter().zip(gpu_tokens) {
-            tokens[i as usize] = Some((t, None));
-        }
-        if !cpu_ids.is_empty() {
-            let rows = self
-                .backend
-                .gather_rows(&logits, &self.backend.upload_ints(&cpu_ids)?)?;
-            let mut host = self.backend.to_host(&rows)?.data;
-            let reqs: Vec<SamplingRequest> = cpu_ids
-                .iter()
-                .map(|&i| {
-                    let s = &self.batch.requests[&sampled_req_ids[i as usize]];
-                    SamplingRequest {
-                        params: &s.sampling_params,
-                        prompt_token_ids: &s.prompt_token_ids,
-                        output_token_ids: &s.output_token_ids,
-                        eos_token_ids: &self.model_config.eos_token_ids,
-                    }
-                })
-                .collect();
-            let sampled = self
-                .sampler
-                .sample(&mut host, self.model_config.vocab_size, &reqs);
-            for (&i, t) in cpu_ids.iter().zip(sampled) {
-                tokens[i as usize] = Some(t);
-            }
-        }
+        let reqs: Vec<SamplingRequest> = sampled_req_ids
+            .iter()
+            .map(|id| {
+                let s = &self.batch.requests[id];
+                SamplingRequest {
+                    params: &s.sampling_params,
+                    prompt_token_ids: &s.prompt_token_ids,
+                    output_token_ids: &s.output_token_ids,
+                    eos_token_ids: &self.model_config.eos_token_ids,
+                }
+            })
+            .collect();
+        let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
         output.sampled = sampled_req_ids
             .iter()
-            .zip(tokens)
-            .map(|(req_id, t)| {
-                let (token_id, logprobs) = t.context("a sampled row got no token")?;
-                Ok(SampledToken {
-                    req_id: req_id.clone(),
-                    token_id,
-                    logprobs,
-                })
+            .zip(sampled)
+            .map(|(req_id, (token_id, logprobs))| SampledToken {
+                req_id: req_id.clone(),
+                token_id,
+                logprobs,
             })
-            .collect::<Result<_>>()?;
+            .collect();
         Ok(output)
     }
 }

@@ -30,6 +30,8 @@ fn worker_config(dir: &Path) -> WorkerConfig {
         gpu_memory_utilization: 0.9,
         num_gpu_blocks_override: Some(64),
         seed: 0,
+        load_format: Default::default(),
+        attention_backend: Default::default(),
     }
 }
 

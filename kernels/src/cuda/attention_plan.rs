@@ -1,19 +1,64 @@
-//! Host-side plan of one paged-attention launch: how query tokens are grouped into tiles
-//! and whether the keys are split (flash-decoding) because too few tiles fill the GPU.
-//!
-//! Must agree with `csrc/attention.cu`: a tile is up to `ATT_ROWS` (token, q head) rows,
-//! i.e. `ATT_ROWS / group` consecutive query tokens of one sequence.
+//! Host-side plan of one paged-attention step: which sequences go to the decode kernel
+//! (one query token; `csrc/attention_decode.cu`), how the other query tokens are grouped
+//! into tiles (`csrc/attention_prefill.cu` on tensor cores for 16-bit dtypes, the CUDA-core
+//! `csrc/attention.cu` for f32), and how keys are split over blocks when too few blocks
+//! would fill the GPU.
 
 use anyhow::{ensure, Result};
 
-/// Query rows per tile (`ATT_ROWS` in attention.cu).
+/// Query rows per tile of the CUDA-core kernel (`ATT_ROWS` in attention.cu).
 pub const ATT_ROWS: usize = 16;
-/// Threads per attention block (`ATT_THREADS`).
+/// Threads per CUDA-core attention block (`ATT_THREADS`).
 pub const ATT_THREADS: u32 = 128;
-/// A split covers a multiple of this many keys (`ATT_KEYS`).
+/// A CUDA-core split covers a multiple of this many keys (`ATT_KEYS`).
 pub const ATT_KEYS: usize = 32;
+/// Query rows per tile of the tensor-core prefill kernel (`PF_ROWS`).
+pub const PF_ROWS: usize = 64;
+/// Threads per tensor-core prefill block (`PF_THREADS`).
+pub const PF_THREADS: u32 = 128;
+/// Threads per decode block (`DEC_THREADS`).
+pub const DEC_THREADS: u32 = 128;
+/// Widest GQA group the decode kernel handles (`DEC_MAX_GROUP`).
+pub const DEC_MAX_GROUP: usize = 8;
+/// Warps of a decode block (`DEC_WARPS`).
+pub const DEC_WARPS: usize = 4;
+/// Keys per decode partition when the batch alone fills the GPU (vLLM's 512).
+pub const DEC_PARTITION: usize = 512;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Which attention kernels a backend uses: `--attention-backend cuda-core` (the first,
+/// CUDA-core kernel for every token) or `flash` (the decode kernel for one-token
+/// sequences and the tensor-core prefill for the rest, where the dtype has it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionKernels {
+    pub decode: bool,
+    pub tensor_core_prefill: bool,
+}
+
+impl AttentionKernels {
+    pub const CUDA_CORE: Self = Self {
+        decode: false,
+        tensor_core_prefill: false,
+    };
+
+    /// The flash kernels; tensor cores only for 16-bit dtypes.
+    pub fn flash(sixteen_bit: bool) -> Self {
+        Self {
+            decode: true,
+            tensor_core_prefill: sixteen_bit,
+        }
+    }
+}
+
+/// Which kernel runs the tiles (the query tokens not handled by the decode kernel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TileKernel {
+    /// `paged_attention_prefill_d*`: mma.m16n8k16, bf16/fp16 only, never split.
+    TensorCore,
+    /// `paged_attention_d*`: f32 math on CUDA cores, split over keys when needed.
+    CudaCore,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionPlan {
@@ -22,9 +67,16 @@ pub struct AttentionPlan {
     /// First query token (batch index) of each tile.
     pub tile_token: Vec<i32>,
     pub tokens_per_tile: usize,
+    pub tile_kernel: TileKernel,
+    /// Key splits of the tiles (CUDA-core kernel only).
     pub num_splits: usize,
     /// Keys per split (a multiple of ATT_KEYS; i32::MAX when not split).
     pub split_keys: usize,
+    /// Sequences with one query token, run by the decode kernel.
+    pub decode_seqs: Vec<i32>,
+    /// Keys per decode partition, and partitions of the longest decode sequence.
+    pub decode_partition: usize,
+    pub decode_partitions: usize,
 }
 
 impl AttentionPlan {
@@ -32,23 +84,28 @@ impl AttentionPlan {
         self.tile_seq.len()
     }
 
-    /// Tiles and splits for one step. Splits are used when the tiles times the kv heads
-    /// leave the SMs idle and the sequences are long (decode of a few long requests).
+    /// Decode sequences, tiles and splits for one step with the given kernels.
     pub fn new(
         query_start_loc: &[i32],
         seq_lens: &[i32],
         num_q_heads: usize,
         num_kv_heads: usize,
         num_sms: usize,
+        kernels: AttentionKernels,
     ) -> Result<Self> {
         ensure!(
             num_kv_heads > 0 && num_q_heads.is_multiple_of(num_kv_heads),
             "attention: {num_q_heads} q heads are not a multiple of {num_kv_heads} kv heads"
         );
         let group = num_q_heads / num_kv_heads;
+        let (tile_kernel, tile_rows) = if kernels.tensor_core_prefill {
+            (TileKernel::TensorCore, PF_ROWS)
+        } else {
+            (TileKernel::CudaCore, ATT_ROWS)
+        };
         ensure!(
-            group <= ATT_ROWS,
-            "attention: GQA group of {group} q heads per kv head exceeds the kernel's {ATT_ROWS}"
+            group <= tile_rows,
+            "attention: GQA group of {group} q heads per kv head exceeds the kernel's {tile_rows}"
         );
         ensure!(
             query_start_loc.len() == seq_lens.len() + 1,
@@ -56,9 +113,21 @@ impl AttentionPlan {
             query_start_loc.len(),
             seq_lens.len()
         );
-        let tokens_per_tile = (ATT_ROWS / group).max(1);
-        let mut tile_seq = Vec::new();
-        let mut tile_token = Vec::new();
+        let decode_kernel = kernels.decode && group <= DEC_MAX_GROUP;
+        let tokens_per_tile = (tile_rows / group).max(1);
+        let mut plan = Self {
+            tile_seq: Vec::new(),
+            tile_token: Vec::new(),
+            tokens_per_tile,
+            tile_kernel,
+            num_splits: 1,
+            split_keys: i32::MAX as usize,
+            decode_seqs: Vec::new(),
+            decode_partition: DEC_PARTITION,
+            decode_partitions: 0,
+        };
+        let mut max_tile_keys = 0usize;
+        let mut max_decode_keys = 0usize;
         for (s, w) in query_start_loc.windows(2).enumerate() {
             let (start, end) = (w[0], w[1]);
             ensure!(
@@ -67,61 +136,124 @@ impl AttentionPlan {
                 end - start,
                 seq_lens[s]
             );
+            let keys = seq_lens[s].max(0) as usize;
+            if decode_kernel && end - start == 1 {
+                plan.decode_seqs.push(s as i32);
+                max_decode_keys = max_decode_keys.max(keys);
+                continue;
+            }
+            if end > start {
+                max_tile_keys = max_tile_keys.max(keys);
+            }
             let mut t = start;
             while t < end {
-                tile_seq.push(s as i32);
-                tile_token.push(t);
+                plan.tile_seq.push(s as i32);
+                plan.tile_token.push(t);
                 t += tokens_per_tile as i32;
             }
         }
-        let max_keys = seq_lens.iter().copied().max().unwrap_or(0).max(0) as usize;
-        let blocks = tile_seq.len() * num_kv_heads;
-        let target_blocks = 2 * num_sms.max(1);
-        let (num_splits, split_keys) = if blocks >= target_blocks || max_keys <= 512 {
-            (1, i32::MAX as usize)
-        } else {
-            let want = target_blocks
-                .div_ceil(blocks.max(1))
-                .min(max_keys.div_ceil(256))
-                .clamp(1, 64);
-            let split_keys = max_keys.div_ceil(want).div_ceil(ATT_KEYS) * ATT_KEYS;
-            (max_keys.div_ceil(split_keys), split_keys)
-        };
-        Ok(Self {
-            tile_seq,
-            tile_token,
-            tokens_per_tile,
-            num_splits,
-            split_keys,
-        })
+        if tile_kernel == TileKernel::CudaCore {
+            (plan.num_splits, plan.split_keys) =
+                cuda_core_splits(plan.num_tiles() * num_kv_heads, max_tile_keys, num_sms);
+        }
+        if !plan.decode_seqs.is_empty() {
+            // Halve the partition while the blocks would leave SMs idle (few, long decodes).
+            let blocks = plan.decode_seqs.len() * num_kv_heads;
+            let mut partition = DEC_PARTITION;
+            while partition > 64
+                && blocks * max_decode_keys.div_ceil(partition) < 2 * num_sms
+                && max_decode_keys > partition
+            {
+                partition /= 2;
+            }
+            plan.decode_partition = partition;
+            plan.decode_partitions = max_decode_keys.div_ceil(partition).max(1);
+        }
+        Ok(plan)
     }
+
+    /// Dynamic shared memory of a decode block (scores and the cross-warp reduction).
+    pub fn decode_shared_bytes(&self, head_dim: usize) -> usize {
+        (DEC_MAX_GROUP * self.decode_partition + DEC_WARPS * DEC_MAX_GROUP * head_dim) * 4
+    }
+}
+
+/// Splits of the CUDA-core kernel: used when the tiles times the kv heads leave the SMs
+/// idle and the sequences are long.
+fn cuda_core_splits(blocks: usize, max_keys: usize, num_sms: usize) -> (usize, usize) {
+    let target_blocks = 2 * num_sms.max(1);
+    if blocks >= target_blocks || max_keys <= 512 {
+        return (1, i32::MAX as usize);
+    }
+    let want = target_blocks
+        .div_ceil(blocks.max(1))
+        .min(max_keys.div_ceil(256))
+        .clamp(1, 64);
+    let split_keys = max_keys.div_ceil(want).div_ceil(ATT_KEYS) * ATT_KEYS;
+    (max_keys.div_ceil(split_keys), split_keys)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    const FLASH: AttentionKernels = AttentionKernels {
+        decode: true,
+        tensor_core_prefill: true,
+    };
+    const FLASH_F32: AttentionKernels = AttentionKernels {
+        decode: true,
+        tensor_core_prefill: false,
+    };
+
     #[test]
-    fn tiles_cover_every_query_token_once() {
-        // group 2 → 8 tokens per tile; sequences of 20, 1 and 8 query tokens.
-        let p = AttentionPlan::new(&[0, 20, 21, 29], &[20, 5, 40], 16, 8, 132).unwrap();
+    fn tiles_cover_every_prefill_token_once_and_decodes_go_to_the_decode_kernel() {
+        // group 2 → 8 tokens per CUDA-core tile; sequences of 20, 1 and 8 query tokens.
+        let p = AttentionPlan::new(&[0, 20, 21, 29], &[20, 5, 40], 16, 8, 132, FLASH_F32).unwrap();
         assert_eq!(p.tokens_per_tile, 8);
-        assert_eq!(p.tile_seq, vec![0, 0, 0, 1, 2]);
-        assert_eq!(p.tile_token, vec![0, 8, 16, 20, 21]);
+        assert_eq!(p.tile_seq, vec![0, 0, 0, 2]);
+        assert_eq!(p.tile_token, vec![0, 8, 16, 21]);
+        assert_eq!(p.decode_seqs, vec![1]);
         assert_eq!(p.num_splits, 1);
+        let p = AttentionPlan::new(&[0, 20, 21, 29], &[20, 5, 40], 16, 8, 132, FLASH).unwrap();
+        assert_eq!(p.tile_kernel, TileKernel::TensorCore);
+        assert_eq!(p.tokens_per_tile, 32);
+        assert_eq!(p.tile_seq, vec![0, 2]);
+        assert_eq!(p.tile_token, vec![0, 21]);
+        // The CUDA-core kernels take every token, the decode too.
+        let kernels = AttentionKernels::CUDA_CORE;
+        let p = AttentionPlan::new(&[0, 20, 21, 29], &[20, 5, 40], 16, 8, 132, kernels).unwrap();
+        assert_eq!(p.tile_seq, vec![0, 0, 0, 1, 2]);
+        assert!(p.decode_seqs.is_empty());
     }
 
     #[test]
-    fn long_decode_of_few_sequences_is_split() {
-        let p = AttentionPlan::new(&[0, 1], &[8000], 16, 8, 132).unwrap();
+    fn long_decode_of_few_sequences_gets_small_partitions() {
+        let p = AttentionPlan::new(&[0, 1], &[8000], 16, 8, 132, FLASH).unwrap();
+        assert_eq!(p.decode_seqs, vec![0]);
+        assert!(p.decode_partition < DEC_PARTITION);
+        assert_eq!(p.decode_partitions, 8000usize.div_ceil(p.decode_partition));
+        // A full batch keeps vLLM's 512.
+        let qsl: Vec<i32> = (0..=256).collect();
+        let p = AttentionPlan::new(&qsl, &[900; 256], 16, 8, 132, FLASH).unwrap();
+        assert_eq!((p.decode_partition, p.decode_partitions), (512, 2));
+    }
+
+    #[test]
+    fn wide_groups_fall_back_to_tiles() {
+        // A group of 16 is too wide for the decode kernel: its decodes become tiles.
+        let p = AttentionPlan::new(&[0, 1], &[100], 16, 1, 132, FLASH).unwrap();
+        assert!(p.decode_seqs.is_empty());
+        assert_eq!(p.num_tiles(), 1);
+        assert!(AttentionPlan::new(&[0, 1], &[1], 32, 1, 1, FLASH_F32).is_err());
+    }
+
+    #[test]
+    fn long_cuda_core_prefill_of_few_tiles_is_split() {
+        let p =
+            AttentionPlan::new(&[0, 2], &[8000], 16, 8, 132, AttentionKernels::CUDA_CORE).unwrap();
         assert!(p.num_splits > 1);
         assert_eq!(p.split_keys % ATT_KEYS, 0);
         assert!(p.num_splits * p.split_keys >= 8000);
-        assert!((p.num_splits - 1) * p.split_keys < 8000);
-    }
-
-    #[test]
-    fn rejects_groups_wider_than_a_tile() {
-        assert!(AttentionPlan::new(&[0, 1], &[1], 32, 1, 1).is_err());
     }
 }

@@ -14,10 +14,15 @@ pub mod libs;
 pub mod module;
 pub mod nvrtc;
 pub mod ops;
+pub mod sampling_ops;
 pub mod sources;
 
-pub use attention_plan::AttentionPlan;
+pub use attention_plan::{AttentionKernels, AttentionPlan};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;
 pub use ops::{AttentionDims, AttentionMeta, CudaOps, SampleRow};
+pub use sampling_ops::{
+    LogitEntry, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,
+    ENTRY_REPEAT, MAX_LOGPROBS,
+};

@@ -31,7 +31,13 @@ pub struct Functions {
     pub paged_attention_d64: CudaFunction,
     pub paged_attention_d128: CudaFunction,
     pub paged_attention_combine: CudaFunction,
+    /// The decode kernel by head size (16, 32, 64, 128).
+    pub paged_attention_decode: [CudaFunction; 4],
+    pub paged_attention_decode_combine: CudaFunction,
+    /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
+    pub paged_attention_prefill: Option<[CudaFunction; 4]>,
     pub sample_tokens: CudaFunction,
+    pub sample_tokens_ex: CudaFunction,
 }
 
 /// How the module was obtained (logged, and reported by the startup benchmark).
@@ -113,7 +119,24 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
         paged_attention_d64: f("paged_attention_d64")?,
         paged_attention_d128: f("paged_attention_d128")?,
         paged_attention_combine: f("paged_attention_combine")?,
+        paged_attention_decode: [
+            f("paged_attention_decode_d16")?,
+            f("paged_attention_decode_d32")?,
+            f("paged_attention_decode_d64")?,
+            f("paged_attention_decode_d128")?,
+        ],
+        paged_attention_decode_combine: f("paged_attention_decode_combine")?,
+        paged_attention_prefill: match dtype {
+            DType::F32 => None,
+            _ => Some([
+                f("paged_attention_prefill_d16")?,
+                f("paged_attention_prefill_d32")?,
+                f("paged_attention_prefill_d64")?,
+                f("paged_attention_prefill_d128")?,
+            ]),
+        },
         sample_tokens: f("sample_tokens")?,
+        sample_tokens_ex: f("sample_tokens_ex")?,
     };
     Ok((module, functions, source))
 }

@@ -8,10 +8,13 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::{
-    CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 
-use super::attention_plan::{AttentionPlan, ATT_THREADS, HEAD_DIMS};
+use super::attention_plan::{
+    AttentionPlan, TileKernel, ATT_THREADS, DEC_THREADS, HEAD_DIMS, PF_THREADS,
+};
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::module::{self, BuildSource, Functions};
@@ -66,8 +69,67 @@ pub struct AttentionMeta<'a> {
     pub query_start_loc: &'a CudaSlice<i32>,
     pub tile_seq: &'a CudaSlice<i32>,
     pub tile_token: &'a CudaSlice<i32>,
+    pub decode_seqs: &'a CudaSlice<i32>,
     pub plan: &'a AttentionPlan,
 }
+
+/// The inputs every attention kernel of one launch shares.
+struct AttentionCaches<'a> {
+    q: &'a CudaSlice<u8>,
+    key_cache: &'a CudaSlice<u8>,
+    value_cache: &'a CudaSlice<u8>,
+    meta: &'a AttentionMeta<'a>,
+    dims: AttentionDims,
+    scale: f32,
+}
+
+/// `DecodeArgs` of attention_decode.cu, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DecodeArgs {
+    q: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: u64,
+    seq_lens: u64,
+    query_start_loc: u64,
+    decode_seqs: u64,
+    out: u64,
+    part_o: u64,
+    part_ml: u64,
+    num_decode: i32,
+    num_q_heads: i32,
+    num_kv_heads: i32,
+    block_size: i32,
+    max_blocks_per_seq: i32,
+    partition: i32,
+    scale: f32,
+}
+// SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
+unsafe impl DeviceRepr for DecodeArgs {}
+
+/// `PrefillArgs` of attention_prefill.cu, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct PrefillArgs {
+    q: u64,
+    key_cache: u64,
+    value_cache: u64,
+    block_tables: u64,
+    seq_lens: u64,
+    query_start_loc: u64,
+    tile_seq: u64,
+    tile_token: u64,
+    out: u64,
+    num_q_heads: i32,
+    num_kv_heads: i32,
+    block_size: i32,
+    max_blocks_per_seq: i32,
+    tokens_per_tile: i32,
+    scale: f32,
+}
+// SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
+unsafe impl DeviceRepr for PrefillArgs {}
 
 /// Static shape of an attention problem.
 #[derive(Debug, Clone, Copy)]
@@ -84,7 +146,7 @@ pub struct CudaOps {
     pub stream: Arc<CudaStream>,
     pub num_sms: usize,
     pub build_source: BuildSource,
-    f: Functions,
+    pub(crate) f: Functions,
     _module: Arc<CudaModule>,
 }
 
@@ -476,7 +538,8 @@ impl CudaOps {
         Ok(())
     }
 
-    /// Paged attention of q [T, Hq, D] over the caches, into out [T, Hq, D].
+    /// Paged attention of q [T, Hq, D] over the caches, into out [T, Hq, D]: the decode
+    /// kernel for the plan's one-token sequences, then the tile kernel for the rest.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -488,30 +551,18 @@ impl CudaOps {
         scale: f32,
         out: &mut CudaSlice<u8>,
     ) -> Result<()> {
-        let AttentionDims {
-            num_tokens,
-            num_q_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-        } = dims;
-        let plan = meta.plan;
-        if num_tokens == 0 || plan.num_tiles() == 0 {
+        let rows = dims.num_tokens * dims.num_q_heads;
+        if rows == 0 {
             return Ok(());
         }
-        let func = match head_dim {
-            16 => &self.f.paged_attention_d16,
-            32 => &self.f.paged_attention_d32,
-            64 => &self.f.paged_attention_d64,
-            128 => &self.f.paged_attention_d128,
-            d => bail!(
-                "paged attention: head_dim {d} has no kernel (supported: {:?})",
-                HEAD_DIMS
-            ),
+        let Some(d_index) = HEAD_DIMS.iter().position(|&d| d == dims.head_dim) else {
+            bail!(
+                "paged attention: head_dim {} has no kernel (supported: {HEAD_DIMS:?})",
+                dims.head_dim
+            );
         };
-        let rows = num_tokens * num_q_heads;
-        self.check(q, rows * head_dim, "attention q")?;
-        self.check(out, rows * head_dim, "attention out")?;
+        self.check(q, rows * dims.head_dim, "attention q")?;
+        self.check(out, rows * dims.head_dim, "attention out")?;
         ensure!(
             key_cache.len() == value_cache.len(),
             "attention: K and V caches differ in size"
@@ -523,26 +574,215 @@ impl CudaOps {
             num_seqs * meta.max_blocks_per_seq,
             "block_tables",
         )?;
+        let plan = meta.plan;
         Self::check_ints(meta.tile_seq, plan.num_tiles(), "tile_seq")?;
         Self::check_ints(meta.tile_token, plan.num_tiles(), "tile_token")?;
+        Self::check_ints(meta.decode_seqs, plan.decode_seqs.len(), "decode_seqs")?;
+        let caches = AttentionCaches {
+            q,
+            key_cache,
+            value_cache,
+            meta,
+            dims,
+            scale,
+        };
+        // The CUDA-core tiles go first: their split combine rewrites every row, and the
+        // decode kernel then writes the decode rows.
+        if plan.num_tiles() > 0 {
+            match (plan.tile_kernel, &self.f.paged_attention_prefill) {
+                (TileKernel::TensorCore, Some(f)) => {
+                    self.attention_tiles_tensor_core(&f[d_index], &caches, out)?
+                }
+                (TileKernel::TensorCore, None) => {
+                    bail!("paged attention: no tensor-core kernel in the f32 module")
+                }
+                (TileKernel::CudaCore, _) => {
+                    self.attention_tiles_cuda_core(d_index, &caches, out)?
+                }
+            }
+        }
+        if !plan.decode_seqs.is_empty() {
+            self.attention_decode(d_index, &caches, out)?;
+        }
+        Ok(())
+    }
 
-        let splits = plan.num_splits;
-        let (part_o, part_ml) = if splits > 1 {
-            // SAFETY: every (split, row) partial is written before the combine reads it.
-            let o = unsafe { self.stream.alloc::<f32>(splits * rows * head_dim) }
-                .map_err(|e| driver_error("allocating attention partials", e))?;
-            // SAFETY: as above.
-            let ml = unsafe { self.stream.alloc::<f32>(splits * rows * 2) }
-                .map_err(|e| driver_error("allocating attention partials", e))?;
-            (Some(o), Some(ml))
+    /// f32 scratch for the partials of a split attention.
+    fn partials(&self, n: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: every partial a combine reads is written by the attention kernel first.
+        unsafe { self.stream.alloc::<f32>(n.max(1)) }
+            .map_err(|e| driver_error("allocating attention partials", e))
+    }
+
+    fn attention_decode(
+        &self,
+        d_index: usize,
+        c: &AttentionCaches,
+        out: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let (plan, dims, meta) = (c.meta.plan, c.dims, c.meta);
+        let num_decode = plan.decode_seqs.len();
+        let parts = plan.decode_partitions;
+        let part_rows = parts * num_decode * dims.num_q_heads;
+        let (part_o, part_ml) = if parts > 1 {
+            (
+                Some(self.partials(part_rows * dims.head_dim)?),
+                Some(self.partials(part_rows * 2)?),
+            )
         } else {
             (None, None)
         };
         {
             let s = &self.stream;
-            let (q_p, _g0) = q.device_ptr(s);
-            let (kc_p, _g1) = key_cache.device_ptr(s);
-            let (vc_p, _g2) = value_cache.device_ptr(s);
+            let (q_p, _g0) = c.q.device_ptr(s);
+            let (kc_p, _g1) = c.key_cache.device_ptr(s);
+            let (vc_p, _g2) = c.value_cache.device_ptr(s);
+            let (bt_p, _g3) = meta.block_tables.device_ptr(s);
+            let (sl_p, _g4) = meta.seq_lens.device_ptr(s);
+            let (qs_p, _g5) = meta.query_start_loc.device_ptr(s);
+            let (ds_p, _g6) = meta.decode_seqs.device_ptr(s);
+            let (out_p, _g7) = out.device_ptr(s);
+            let (po_p, _g8) = part_o.as_ref().map(|p| p.device_ptr(s)).unzip();
+            let (pm_p, _g9) = part_ml.as_ref().map(|p| p.device_ptr(s)).unzip();
+            let args = DecodeArgs {
+                q: q_p,
+                key_cache: kc_p,
+                value_cache: vc_p,
+                block_tables: bt_p,
+                seq_lens: sl_p,
+                query_start_loc: qs_p,
+                decode_seqs: ds_p,
+                out: out_p,
+                part_o: po_p.unwrap_or(0),
+                part_ml: pm_p.unwrap_or(0),
+                num_decode: i32_of(num_decode, "decode sequences")?,
+                num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
+                num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
+                block_size: i32_of(dims.block_size, "block_size")?,
+                max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
+                partition: i32_of(plan.decode_partition, "decode partition")?,
+                scale: c.scale,
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (num_decode as u32, dims.num_kv_heads as u32, parts as u32),
+                block_dim: (DEC_THREADS, 1, 1),
+                shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
+            };
+            let mut b = self
+                .stream
+                .launch_builder(&self.f.paged_attention_decode[d_index]);
+            b.arg(&args);
+            // SAFETY: buffer sizes checked by `paged_attention`; block tables and seq_lens
+            // are checked on the host by the caller, which holds their host copies.
+            unsafe { b.launch(cfg) }
+                .map_err(|e| driver_error("launching paged_attention_decode", e))?;
+        }
+        if let (Some(po), Some(pm)) = (&part_o, &part_ml) {
+            let (nd, hq, d, np) = (
+                i32_of(num_decode, "decode sequences")?,
+                i32_of(dims.num_q_heads, "q heads")?,
+                i32_of(dims.head_dim, "head_dim")?,
+                i32_of(parts, "partitions")?,
+            );
+            let mut b = self
+                .stream
+                .launch_builder(&self.f.paged_attention_decode_combine);
+            b.arg(po)
+                .arg(pm)
+                .arg(meta.decode_seqs)
+                .arg(meta.query_start_loc)
+                .arg(out)
+                .arg(&nd)
+                .arg(&hq)
+                .arg(&d)
+                .arg(&np);
+            // SAFETY: partials sized for (partitions, decode rows) above.
+            unsafe {
+                b.launch(rows_cfg(
+                    num_decode * dims.num_q_heads,
+                    dims.head_dim as u32,
+                ))
+            }
+            .map_err(|e| driver_error("launching paged_attention_decode_combine", e))?;
+        }
+        Ok(())
+    }
+
+    fn attention_tiles_tensor_core(
+        &self,
+        func: &CudaFunction,
+        c: &AttentionCaches,
+        out: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let (plan, dims, meta) = (c.meta.plan, c.dims, c.meta);
+        let s = &self.stream;
+        let (q_p, _g0) = c.q.device_ptr(s);
+        let (kc_p, _g1) = c.key_cache.device_ptr(s);
+        let (vc_p, _g2) = c.value_cache.device_ptr(s);
+        let (bt_p, _g3) = meta.block_tables.device_ptr(s);
+        let (sl_p, _g4) = meta.seq_lens.device_ptr(s);
+        let (qs_p, _g5) = meta.query_start_loc.device_ptr(s);
+        let (ts_p, _g6) = meta.tile_seq.device_ptr(s);
+        let (tt_p, _g7) = meta.tile_token.device_ptr(s);
+        let (out_p, _g8) = out.device_ptr(s);
+        let args = PrefillArgs {
+            q: q_p,
+            key_cache: kc_p,
+            value_cache: vc_p,
+            block_tables: bt_p,
+            seq_lens: sl_p,
+            query_start_loc: qs_p,
+            tile_seq: ts_p,
+            tile_token: tt_p,
+            out: out_p,
+            num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
+            num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
+            block_size: i32_of(dims.block_size, "block_size")?,
+            max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
+            tokens_per_tile: i32_of(plan.tokens_per_tile, "tokens_per_tile")?,
+            scale: c.scale,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (plan.num_tiles() as u32, dims.num_kv_heads as u32, 1),
+            block_dim: (PF_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&args);
+        // SAFETY: as in `attention_decode`.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| driver_error("launching paged_attention_prefill", e))?;
+        Ok(())
+    }
+
+    fn attention_tiles_cuda_core(
+        &self,
+        d_index: usize,
+        c: &AttentionCaches,
+        out: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let (plan, dims, meta) = (c.meta.plan, c.dims, c.meta);
+        let rows = dims.num_tokens * dims.num_q_heads;
+        let splits = plan.num_splits;
+        let (part_o, part_ml) = if splits > 1 {
+            (
+                Some(self.partials(splits * rows * dims.head_dim)?),
+                Some(self.partials(splits * rows * 2)?),
+            )
+        } else {
+            (None, None)
+        };
+        let func = [
+            &self.f.paged_attention_d16,
+            &self.f.paged_attention_d32,
+            &self.f.paged_attention_d64,
+            &self.f.paged_attention_d128,
+        ][d_index];
+        {
+            let s = &self.stream;
+            let (q_p, _g0) = c.q.device_ptr(s);
+            let (kc_p, _g1) = c.key_cache.device_ptr(s);
+            let (vc_p, _g2) = c.value_cache.device_ptr(s);
             let (bt_p, _g3) = meta.block_tables.device_ptr(s);
             let (sl_p, _g4) = meta.seq_lens.device_ptr(s);
             let (qs_p, _g5) = meta.query_start_loc.device_ptr(s);
@@ -563,37 +803,40 @@ impl CudaOps {
                 out: out_p,
                 part_o: po_p.unwrap_or(0),
                 part_ml: pm_p.unwrap_or(0),
-                num_tokens: i32_of(num_tokens, "num_tokens")?,
-                num_q_heads: i32_of(num_q_heads, "q heads")?,
-                num_kv_heads: i32_of(num_kv_heads, "kv heads")?,
-                block_size: i32_of(block_size, "block_size")?,
+                num_tokens: i32_of(dims.num_tokens, "num_tokens")?,
+                num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
+                num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
+                block_size: i32_of(dims.block_size, "block_size")?,
                 max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
                 tokens_per_tile: i32_of(plan.tokens_per_tile, "tokens_per_tile")?,
                 split_keys: plan.split_keys.min(i32::MAX as usize) as i32,
-                scale,
+                scale: c.scale,
             };
             let cfg = LaunchConfig {
-                grid_dim: (plan.num_tiles() as u32, num_kv_heads as u32, splits as u32),
+                grid_dim: (
+                    plan.num_tiles() as u32,
+                    dims.num_kv_heads as u32,
+                    splits as u32,
+                ),
                 block_dim: (ATT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             let mut b = self.stream.launch_builder(func);
             b.arg(&args);
-            // SAFETY: buffer sizes checked above; block tables and seq_lens are checked on the
-            // host by the caller, which holds their host copies. The pointer guards end with
-            // this scope, before `out` is borrowed again.
+            // SAFETY: as in `attention_decode`. The pointer guards end with this scope,
+            // before `out` is borrowed again.
             unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching paged_attention", e))?;
         }
         if let (Some(po), Some(pm)) = (&part_o, &part_ml) {
             let (nr, d, ns) = (
                 i32_of(rows, "rows")?,
-                i32_of(head_dim, "head_dim")?,
+                i32_of(dims.head_dim, "head_dim")?,
                 i32_of(splits, "splits")?,
             );
             let mut b = self.stream.launch_builder(&self.f.paged_attention_combine);
             b.arg(po).arg(pm).arg(out).arg(&nr).arg(&d).arg(&ns);
             // SAFETY: partials sized for (splits, rows) above.
-            unsafe { b.launch(rows_cfg(rows, head_dim as u32)) }
+            unsafe { b.launch(rows_cfg(rows, dims.head_dim as u32)) }
                 .map_err(|e| driver_error("launching paged_attention_combine", e))?;
         }
         Ok(())

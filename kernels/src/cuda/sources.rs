@@ -11,6 +11,14 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("cache.cu", include_str!("csrc/cache.cu")),
     ("copy.cu", include_str!("csrc/copy.cu")),
     ("attention.cu", include_str!("csrc/attention.cu")),
+    (
+        "attention_decode.cu",
+        include_str!("csrc/attention_decode.cu"),
+    ),
+    (
+        "attention_prefill.cu",
+        include_str!("csrc/attention_prefill.cu"),
+    ),
     ("sampling.cu", include_str!("csrc/sampling.cu")),
 ];
 
@@ -34,5 +42,7 @@ mod tests {
             assert!(tu.contains(&format!("\"{name}\"")));
         }
         assert!(tu.contains("paged_attention_d128"));
+        assert!(tu.contains("paged_attention_decode_d128"));
+        assert!(tu.contains("paged_attention_prefill_d128"));
     }
 }

@@ -8,7 +8,7 @@ use vllm_kernels::cpu as k;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 
 use super::{Backend, StepMetadata};
-use crate::weights::HostTensor;
+use crate::weights::{DType, HostTensor, WeightTensor};
 
 /// A host f32 tensor; `shape[0]` is rows, the product of the rest is columns.
 #[derive(Debug, Clone, PartialEq)]
@@ -69,6 +69,15 @@ impl Backend for CpuBackend {
         Ok(CpuTensor {
             shape: t.shape.clone(),
             data: t.data.clone(),
+        })
+    }
+    fn weight_dtype(&self) -> DType {
+        DType::F32
+    }
+    fn upload_weight(&self, w: &WeightTensor) -> Result<CpuTensor> {
+        Ok(CpuTensor {
+            shape: w.shape.clone(),
+            data: w.to_f32(),
         })
     }
     fn upload_ints(&self, data: &[i32]) -> Result<Vec<i32>> {

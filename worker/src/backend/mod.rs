@@ -14,7 +14,7 @@ pub use cuda::CudaBackend;
 use anyhow::Result;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 
-use crate::weights::HostTensor;
+use crate::weights::{DType, HostTensor, WeightTensor};
 
 /// Host-side inputs of one forward step, in batch order (vLLM's names).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -76,7 +76,14 @@ pub trait Backend {
     /// Bytes per element of the KV cache, for sizing the block pool.
     fn kv_cache_element_bytes(&self) -> usize;
 
+    /// An f32 host tensor (rotary tables, test data), stored in the backend's dtype.
     fn upload(&self, t: &HostTensor) -> Result<Self::Tensor>;
+    /// The dtype weights are computed in: a weight of this dtype is uploaded without a
+    /// conversion, and dummy weights are generated in it.
+    fn weight_dtype(&self) -> DType;
+    /// A model weight in its checkpoint dtype: uploaded as is when it is the backend's
+    /// dtype, else converted (in parallel) on the way.
+    fn upload_weight(&self, w: &WeightTensor) -> Result<Self::Tensor>;
     fn upload_ints(&self, data: &[i32]) -> Result<Self::Ints>;
     fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;
 

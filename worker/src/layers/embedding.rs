@@ -31,14 +31,9 @@ impl<B: Backend> VocabParallelEmbedding<B> {
         tp: TensorParallel,
     ) -> Result<Self> {
         let (start, len) = vocab_shard(vocab, tp);
-        let w = weights.get(name, &[vocab, hidden])?;
-        let w = if tp.size == 1 {
-            w
-        } else {
-            w.narrow(0, start, len)
-        };
+        let w = weights.get(name, &[vocab, hidden])?.narrow(0, start, len);
         Ok(Self {
-            weight: b.upload(&w)?,
+            weight: b.upload_weight(&w)?,
             vocab_start: start,
         })
     }
@@ -65,14 +60,9 @@ impl<B: Backend> ParallelLMHead<B> {
         tp: TensorParallel,
     ) -> Result<Self> {
         let (start, len) = vocab_shard(vocab, tp);
-        let w = weights.get(name, &[vocab, hidden])?;
-        let w = if tp.size == 1 {
-            w
-        } else {
-            w.narrow(0, start, len)
-        };
+        let w = weights.get(name, &[vocab, hidden])?.narrow(0, start, len);
         Ok(Self {
-            weight: b.upload(&w)?,
+            weight: b.upload_weight(&w)?,
         })
     }
 

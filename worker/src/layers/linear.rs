@@ -9,7 +9,7 @@ use anyhow::{ensure, Result};
 
 use super::TensorParallel;
 use crate::backend::Backend;
-use crate::weights::{HostTensor, Weights};
+use crate::weights::{WeightTensor, Weights};
 
 /// Fused q, k, v projection. Loads `<prefix>.{q,k,v}_proj.{weight,bias}` and keeps this
 /// rank's heads; when tp size exceeds the kv heads, each rank keeps one replicated kv head.
@@ -49,7 +49,7 @@ impl<B: Backend> QKVParallelLinear<B> {
                     heads_total: usize,
                     head0: usize,
                     heads: usize|
-         -> Result<(HostTensor, Option<HostTensor>)> {
+         -> Result<(WeightTensor<'_>, Option<WeightTensor<'_>>)> {
             let w = weights.get(
                 &format!("{prefix}.{name}.weight"),
                 &[heads_total * head_dim, hidden],
@@ -67,9 +67,11 @@ impl<B: Backend> QKVParallelLinear<B> {
         let (qw, qb) = part("q_proj", total_heads, q_head0, num_heads)?;
         let (kw, kb) = part("k_proj", total_kv_heads, kv_head0, num_kv_heads)?;
         let (vw, vb) = part("v_proj", total_kv_heads, kv_head0, num_kv_heads)?;
-        let weight = b.upload(&HostTensor::cat_rows(&[qw, kw, vw]))?;
+        let weight = b.upload_weight(&WeightTensor::cat_rows(vec![qw, kw, vw]))?;
         let bias = match (qb, kb, vb) {
-            (Some(q), Some(k), Some(v)) => Some(b.upload(&HostTensor::cat_rows(&[q, k, v]))?),
+            (Some(q), Some(k), Some(v)) => {
+                Some(b.upload_weight(&WeightTensor::cat_rows(vec![q, k, v]))?)
+            }
             _ => None,
         };
         Ok(Self {
@@ -117,7 +119,7 @@ impl<B: Backend> MergedColumnParallelLinear<B> {
             .map(|n| Ok(weights.get(n, &[out, input])?.narrow(0, start, len)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            weight: b.upload(&HostTensor::cat_rows(&parts))?,
+            weight: b.upload_weight(&WeightTensor::cat_rows(parts))?,
         })
     }
 
@@ -143,14 +145,9 @@ impl<B: Backend> RowParallelLinear<B> {
         tp: TensorParallel,
     ) -> Result<Self> {
         let (start, len) = tp.even_shard(input, name)?;
-        let w = weights.get(name, &[out, input])?;
-        let w = if tp.size == 1 {
-            w
-        } else {
-            w.narrow(1, start, len)
-        };
+        let w = weights.get(name, &[out, input])?.narrow(1, start, len);
         Ok(Self {
-            weight: b.upload(&w)?,
+            weight: b.upload_weight(&w)?,
         })
     }
 

@@ -14,7 +14,7 @@ impl<B: Backend> RmsNorm<B> {
     /// Loads `<name>` of shape [dim].
     pub fn load(b: &B, weights: &Weights, name: &str, dim: usize, eps: f64) -> Result<Self> {
         Ok(Self {
-            weight: b.upload(&weights.get(name, &[dim])?)?,
+            weight: b.upload_weight(&weights.get(name, &[dim])?)?,
             eps: eps as f32,
         })
     }

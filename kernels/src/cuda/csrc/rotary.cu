@@ -1,11 +1,13 @@
 // Neox rotary embedding (rotate halves) of q and k in place, from the cos/sin table
 // [max_position, rotary_dim] (cos half then sin half; llama3 scaling is already in the
-// table's frequencies). One block per token. Computed in f32, rounded once.
+// table's frequencies). One block per token. Each product is rounded to the activation
+// dtype before the sum, as HF's `q * cos + rotate_half(q) * sin` on bf16 tensors does
+// (a no-op in the f32 build).
 
 __device__ __forceinline__ void rotate_pair(scalar_t* head, int j, int half, float c, float s) {
     const float a = to_f32(head[j]), b = to_f32(head[j + half]);
-    head[j] = from_f32(a * c - b * s);
-    head[j + half] = from_f32(b * c + a * s);
+    head[j] = from_f32(round_t(a * c) + round_t(-b * s));
+    head[j + half] = from_f32(round_t(b * c) + round_t(a * s));
 }
 
 extern "C" __global__ void rotary_embedding_neox(const int* __restrict__ positions,

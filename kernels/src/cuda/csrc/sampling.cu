@@ -1,7 +1,22 @@
 // Sampling on the GPU: one block per logits row, the CPU sampler's semantics
-// (worker/src/sampler.rs) for greedy, temperature, min-p, top-k and top-p with an
-// inverse-CDF draw in token-id order from a uniform the host computes per row (the seeded
-// counter-based RNG), so only token ids travel back to the host.
+// (worker/src/sampler.rs) for every parameter it supports, so only token ids (and, when
+// asked, a few logprobs) travel back to the host.
+//
+// `sample_tokens_ex`, per row, in the CPU sampler's order:
+// 1. logits processors: the host sends a sparse list of the row's affected tokens
+//    (LogitEntry, sorted by token id): logit_bias, min_tokens masking (eos and stop ids),
+//    repetition penalty (tokens seen in the prompt or the output) and frequency/presence
+//    penalties (output counts). The block computes each entry's processed f32 logit into
+//    `values`; the sampler then reads the row through that overlay, so the logits buffer
+//    is never written and the processing is done in f32 like the CPU's (not rounded to
+//    the activation dtype);
+// 2. greedy (first argmax) or temperature → min-p → top-k → top-p → inverse-CDF draw in
+//    token-id order from a uniform the host computes per row (the seeded counter-based
+//    RNG);
+// 3. raw logprobs (of the unprocessed row, vLLM's default): the log-sum-exp normaliser in
+//    f64, the sampled token's logprob and rank (how many tokens are >= it), and the top-k
+//    (k <= 20) best first, ties to the lowest id.
+// `sample_tokens` is step 2 alone on the unprocessed row.
 //
 // Each thread owns a contiguous chunk of the vocabulary and re-reads it in every pass
 // (the row stays in L2). Thresholds are found by radix selection over order-preserving
@@ -10,6 +25,12 @@
 
 #define SAMPLE_THREADS 1024
 #define FLT_MAX_F 3.402823466e+38f
+#define MAX_LOGPROBS 20
+#define NO_TOKEN 0x7fffffff
+
+// LogitEntry flags.
+#define ENTRY_REPEAT 1  // seen in the prompt or the output: repetition penalty
+#define ENTRY_MASK 2    // min_tokens not reached: an eos or stop token, set to -inf
 
 struct SampleRow {
     float temperature;
@@ -17,6 +38,36 @@ struct SampleRow {
     float top_p;
     float min_p;
     double uniform;
+};
+
+// One row of `sample_tokens_ex` (SampleRowEx in sampling_ops.rs).
+struct SampleRowEx {
+    SampleRow base;
+    int entry_begin;  // the row's LogitEntry range, sorted by token, tokens unique
+    int entry_end;
+    float repetition_penalty;
+    float frequency_penalty;
+    float presence_penalty;
+    int logprobs;       // < 0: none; else how many top logprobs (<= MAX_LOGPROBS)
+    int logprobs_slot;  // this row's TokenLogprobsOut
+    int pad;
+};
+
+// One (row, token) the logits processors change.
+struct LogitEntry {
+    int token;
+    int count;       // occurrences in the output (frequency/presence penalties); 0: none
+    int flags;       // ENTRY_*
+    int bias_begin;  // logit_bias values biases[bias_begin..bias_end), added in order
+    int bias_end;
+};
+
+struct TokenLogprobsOut {
+    float logprob;  // of the sampled token
+    int rank;       // 1-based: tokens whose logprob is >= the sampled one's
+    int num_top;
+    int top_ids[MAX_LOGPROBS];
+    float top_logprobs[MAX_LOGPROBS];
 };
 
 __device__ __forceinline__ float sanitize(float x) {
@@ -71,9 +122,57 @@ __device__ T block_total(T v) {
     return total;
 }
 
+// Max over the block; every thread gets it. Safe to call repeatedly.
+__device__ float sample_block_max(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? partial[lane] : NEG_INF;
+    return warp_max(v);
+}
+
+// Warp argmax: the largest value, ties to the lowest id; every lane gets it.
+__device__ __forceinline__ void warp_argmax(float& v, int& id) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, id, o);
+        if (ov > v || (ov == v && oi < id)) {
+            v = ov;
+            id = oi;
+        }
+    }
+}
+
+// Block argmax (ties to the lowest id; `empty_id` marks a thread without a candidate);
+// every thread gets it. Safe to call repeatedly.
+__device__ void block_argmax(float& v, int& id, int empty_id) {
+    __shared__ float vals[32];
+    __shared__ int ids[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    warp_argmax(v, id);
+    if (lane == 0) {
+        vals[warp] = v;
+        ids[warp] = id;
+    }
+    __syncthreads();
+    v = lane < (int)(blockDim.x >> 5) ? vals[lane] : NEG_INF;
+    id = lane < (int)(blockDim.x >> 5) ? ids[lane] : empty_id;
+    warp_argmax(v, id);
+    __syncthreads();
+}
+
 struct RowView {
     const scalar_t* x;
     int lo, hi;
+    // Processed logits of the row's LogitEntry tokens (sorted by token), which replace x
+    // there; e_lo is this thread's first entry at or after lo.
+    const LogitEntry* ent;
+    const float* val;
+    int e_begin, e_end, e_lo;
     float inv_t;
     float max_y;
     double min_p;
@@ -83,10 +182,28 @@ struct RowView {
     unsigned int cut_key;
     int cut_ties;
 
-    __device__ float y(int t) const {
-        float v = sanitize(sanitize(to_f32(x[t])) * inv_t);
+    // The processed, sanitised logit of token t. Within a pass the thread visits its
+    // tokens in increasing order with a cursor `e` that starts at e_lo.
+    __device__ float logit(int t, int& e) const {
+        if (e < e_end && ent[e].token == t) return val[e++];
+        return sanitize(to_f32(x[t]));
+    }
+    // The same, for one token out of order.
+    __device__ float logit_at(int t) const {
+        int b = e_begin, n = e_end;
+        while (b < n) {
+            const int m = (b + n) >> 1;
+            if (ent[m].token < t) b = m + 1;
+            else n = m;
+        }
+        if (b < e_end && ent[b].token == t) return val[b];
+        return sanitize(to_f32(x[t]));
+    }
+    __device__ float scaled(float v) const {
+        v = sanitize(v * inv_t);
         return v == 0.f ? 0.f : v;
     }
+    __device__ float y(int t, int& e) const { return scaled(logit(t, e)); }
     __device__ double weight(float v) const { return exp((double)(v - max_y)); }
     // Survives min-p and top-k (and is finite).
     __device__ bool base(float v) const {
@@ -95,6 +212,34 @@ struct RowView {
         return order_key(v) >= topk_key;
     }
 };
+
+// The view of one row: this thread's chunk, and its first entry (entries may be null
+// when e_begin == e_end).
+__device__ void init_row_view(RowView& r, const scalar_t* x, int vocab, const LogitEntry* ent,
+                              const float* val, int e_begin, int e_end) {
+    r.x = x;
+    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
+    r.lo = min(vocab, (int)threadIdx.x * chunk);
+    r.hi = min(vocab, r.lo + chunk);
+    r.ent = ent;
+    r.val = val;
+    r.e_begin = e_begin;
+    r.e_end = e_end;
+    int b = e_begin, n = e_end;
+    while (b < n) {
+        const int m = (b + n) >> 1;
+        if (ent[m].token < r.lo) b = m + 1;
+        else n = m;
+    }
+    r.e_lo = b;
+    r.inv_t = 1.f;
+    r.max_y = NEG_INF;
+    r.min_p = 0.0;
+    r.topk_key = 0;
+    r.top_p_on = false;
+    r.cut_key = 0;
+    r.cut_ties = 0;
+}
 
 // The key of the k-th largest base candidate (radix select, 8 bits a pass).
 __device__ unsigned int select_kth_key(const RowView& r, int k) {
@@ -106,8 +251,9 @@ __device__ unsigned int select_kth_key(const RowView& r, int k) {
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
+        int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
-            const float v = r.y(t);
+            const float v = r.y(t, e);
             if (!r.base(v)) continue;
             const unsigned int key = order_key(v);
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
@@ -145,8 +291,9 @@ __device__ void select_top_p_cut(RowView& r, double target) {
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0.0;
         __syncthreads();
+        int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
-            const float v = r.y(t);
+            const float v = r.y(t, e);
             if (!r.base(v)) continue;
             const unsigned int key = order_key(v);
             if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], r.weight(v));
@@ -179,11 +326,14 @@ __device__ void select_top_p_cut(RowView& r, double target) {
     }
     int ties = 0;
     float tie_value = 0.f;
-    for (int t = r.lo; t < r.hi; ++t) {
-        const float v = r.y(t);
-        if (r.base(v) && order_key(v) == prefix) {
-            ++ties;
-            tie_value = v;
+    {
+        int e = r.e_lo;
+        for (int t = r.lo; t < r.hi; ++t) {
+            const float v = r.y(t, e);
+            if (r.base(v) && order_key(v) == prefix) {
+                ++ties;
+                tie_value = v;
+            }
         }
     }
     __shared__ float tie_value_s;
@@ -207,83 +357,41 @@ __device__ void select_top_p_cut(RowView& r, double target) {
     r.cut_ties = keep_s;
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_tokens(const scalar_t* __restrict__ logits, int vocab,
-                  const SampleRow* __restrict__ params, int* __restrict__ out_tokens) {
-    const int row = blockIdx.x;
-    const SampleRow p = params[row];
-    RowView r;
-    r.x = logits + (long long)row * vocab;
-    const int chunk = (vocab + blockDim.x - 1) / blockDim.x;
-    r.lo = min(vocab, (int)threadIdx.x * chunk);
-    r.hi = min(vocab, r.lo + chunk);
-
-    // Argmax of the sanitised row, ties to the lowest id: the greedy token and the
+// The token of one row (the same value in every thread of the block).
+__device__ int choose_token(RowView& r, const SampleRow& p, int vocab) {
+    // Argmax of the processed row, ties to the lowest id: the greedy token and the
     // fallback of every other path.
     float best = NEG_INF;
     int best_id = vocab;
-    for (int t = r.lo; t < r.hi; ++t) {
-        const float v = sanitize(to_f32(r.x[t]));
-        if (v > best || best_id == vocab) {
-            best = v;
-            best_id = t;
-        }
-    }
     {
-        __shared__ float vals[32];
-        __shared__ int ids[32];
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ov > best || (ov == best && oi < best_id)) {
-                best = ov;
-                best_id = oi;
-            }
-        }
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        if (lane == 0) {
-            vals[warp] = best;
-            ids[warp] = best_id;
-        }
-        __syncthreads();
-        best = lane < (int)(blockDim.x >> 5) ? vals[lane] : NEG_INF;
-        best_id = lane < (int)(blockDim.x >> 5) ? ids[lane] : vocab;
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, best_id, o);
-            if (ov > best || (ov == best && oi < best_id)) {
-                best = ov;
-                best_id = oi;
+        int e = r.e_lo;
+        for (int t = r.lo; t < r.hi; ++t) {
+            const float v = r.logit(t, e);
+            if (v > best || best_id == vocab) {
+                best = v;
+                best_id = t;
             }
         }
     }
+    block_argmax(best, best_id, vocab);
     const int fallback = best_id >= vocab ? 0 : best_id;
-    if (p.temperature < 1e-5f) {
-        if (threadIdx.x == 0) out_tokens[row] = fallback;
-        return;
-    }
+    if (p.temperature < 1e-5f) return fallback;
     r.inv_t = 1.f / p.temperature;
-    r.max_y = NEG_INF;
     r.min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
-    r.topk_key = 0;
-    r.top_p_on = false;
-    r.cut_key = 0;
-    r.cut_ties = 0;
-    r.max_y = r.y(fallback);
-    if (r.max_y == NEG_INF) {
-        if (threadIdx.x == 0) out_tokens[row] = fallback;
-        return;
-    }
+    r.max_y = r.scaled(r.logit_at(fallback));
+    if (r.max_y == NEG_INF) return fallback;
 
     if (p.top_k > 0) {
         int count = 0;
-        for (int t = r.lo; t < r.hi; ++t) count += r.base(r.y(t)) ? 1 : 0;
+        int e = r.e_lo;
+        for (int t = r.lo; t < r.hi; ++t) count += r.base(r.y(t, e)) ? 1 : 0;
         if (p.top_k < block_total(count)) r.topk_key = select_kth_key(r, p.top_k);
     }
     if (p.top_p < 1.f) {
         double mass = 0.0;
+        int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
-            const float v = r.y(t);
+            const float v = r.y(t, e);
             if (r.base(v)) mass += r.weight(v);
         }
         const double total = block_total(mass);
@@ -295,8 +403,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     int tie_rank = 0;
     if (r.top_p_on) {
         int ties = 0;
+        int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
-            const float v = r.y(t);
+            const float v = r.y(t, e);
             ties += (r.base(v) && order_key(v) == r.cut_key) ? 1 : 0;
         }
         int unused;
@@ -307,8 +416,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     int last_kept = -1;
     {
         int rank = tie_rank;
+        int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
-            const float v = r.y(t);
+            const float v = r.y(t, e);
             if (!r.base(v)) continue;
             if (r.top_p_on) {
                 const unsigned int key = order_key(v);
@@ -324,6 +434,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     const double before = block_exclusive_scan(mass, &total);
     __shared__ int answer;
     __shared__ int last_any;
+    __shared__ int token_s;
     if (threadIdx.x == 0) {
         answer = -1;
         last_any = -1;
@@ -335,8 +446,9 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     if (ok && mass > 0.0 && before <= target && target < before + mass) {
         double acc = before;
         int rank = tie_rank;
+        int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
-            const float v = r.y(t);
+            const float v = r.y(t, e);
             if (!r.base(v)) continue;
             if (r.top_p_on) {
                 const unsigned int key = order_key(v);
@@ -356,6 +468,129 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         int token = answer;
         if (!ok) token = fallback;
         else if (token < 0) token = last_any >= 0 ? last_any : fallback;
-        out_tokens[row] = token;
+        token_s = token;
     }
+    __syncthreads();
+    return token_s;
+}
+
+// The row's logits processors, in the CPU sampler's order and f32 arithmetic (no fused
+// multiply-adds): sanitise → logit_bias → min_tokens → repetition → frequency/presence →
+// sanitise. One thread per entry; ends with a barrier, so the block sees every value.
+__device__ void process_entries(const scalar_t* x, const SampleRowEx& p,
+                                const LogitEntry* __restrict__ ent,
+                                const float* __restrict__ biases, float* values) {
+    for (int e = p.entry_begin + (int)threadIdx.x; e < p.entry_end; e += blockDim.x) {
+        const LogitEntry en = ent[e];
+        float v = sanitize(to_f32(x[en.token]));
+        for (int b = en.bias_begin; b < en.bias_end; ++b) v = __fadd_rn(v, biases[b]);
+        if (en.flags & ENTRY_MASK) v = NEG_INF;
+        if (en.flags & ENTRY_REPEAT) {
+            const float rp = p.repetition_penalty;
+            v = v > 0.f ? __fdiv_rn(v, rp) : __fmul_rn(v, rp);
+        }
+        if (en.count > 0) {
+            const float pen = __fadd_rn(__fmul_rn(p.frequency_penalty, (float)en.count),
+                                        p.presence_penalty);
+            v = __fsub_rn(v, pen);
+        }
+        values[e] = sanitize(v);
+    }
+    __syncthreads();
+}
+
+// log p of a raw logit given the row's log-sum-exp; -inf rather than NaN for a row
+// without a distribution, as the CPU.
+__device__ __forceinline__ float raw_logprob(float v, double lse) {
+    const double d = (double)v - lse;
+    return d != d ? NEG_INF : (float)d;
+}
+
+// Raw logprobs of one row (the unprocessed, sanitised logits): the normaliser, the
+// sampled token's logprob and rank, and the top k best first, ties to the lowest id.
+// Each thread keeps its chunk's top k (a sorted list), then k rounds of a block argmax
+// over the lists' heads merge them.
+__device__ void row_logprobs(const scalar_t* x, int lo, int hi, int token, int k,
+                             TokenLogprobsOut* out) {
+    k = max(0, min(k, MAX_LOGPROBS));
+    float tv[MAX_LOGPROBS];
+    int ti[MAX_LOGPROBS];
+    int n = 0;
+    float mx = NEG_INF;
+    for (int t = lo; t < hi; ++t) {
+        const float v = sanitize(to_f32(x[t]));
+        mx = fmaxf(mx, v);
+        // Ids arrive in increasing order, so an equal value never displaces a kept one.
+        if (k == 0 || (n == k && !(v > tv[k - 1]))) continue;
+        int pos = n < k ? n : k - 1;
+        while (pos > 0 && v > tv[pos - 1]) {
+            tv[pos] = tv[pos - 1];
+            ti[pos] = ti[pos - 1];
+            --pos;
+        }
+        tv[pos] = v;
+        ti[pos] = t;
+        if (n < k) ++n;
+    }
+    mx = sample_block_max(mx);
+    const float sampled = sanitize(to_f32(x[token]));
+    double sum = 0.0;
+    int at_least = 0;
+    for (int t = lo; t < hi; ++t) {
+        const float v = sanitize(to_f32(x[t]));
+        if (mx != NEG_INF) sum += exp((double)(v - mx));
+        at_least += v >= sampled ? 1 : 0;
+    }
+    sum = block_total(sum);
+    at_least = block_total(at_least);
+    const double lse = mx == NEG_INF ? (double)NEG_INF : (double)mx + log(sum);
+
+    int head = 0, num_top = 0;
+    for (int round = 0; round < k; ++round) {
+        float bv = head < n ? tv[head] : NEG_INF;
+        int bi = head < n ? ti[head] : NO_TOKEN;
+        block_argmax(bv, bi, NO_TOKEN);
+        if (bi == NO_TOKEN) break;  // fewer tokens than k
+        if (head < n && ti[head] == bi) ++head;
+        if (threadIdx.x == 0) {
+            out->top_ids[round] = bi;
+            out->top_logprobs[round] = raw_logprob(bv, lse);
+        }
+        num_top = round + 1;
+    }
+    if (threadIdx.x == 0) {
+        out->logprob = raw_logprob(sampled, lse);
+        out->rank = max(at_least, 1);
+        out->num_top = num_top;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_tokens(const scalar_t* __restrict__ logits, int vocab,
+                  const SampleRow* __restrict__ params, int* __restrict__ out_tokens) {
+    const int row = blockIdx.x;
+    const SampleRow p = params[row];
+    RowView r;
+    init_row_view(r, logits + (long long)row * vocab, vocab, nullptr, nullptr, 0, 0);
+    const int token = choose_token(r, p, vocab);
+    if (threadIdx.x == 0) out_tokens[row] = token;
+}
+
+// Every parameter: logits processors through `entries` (processed values written to
+// `values`, one per entry), sampling, and raw logprobs for rows with logprobs >= 0.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+    sample_tokens_ex(const scalar_t* __restrict__ logits, int vocab,
+                     const SampleRowEx* __restrict__ params,
+                     const LogitEntry* __restrict__ entries, const float* __restrict__ biases,
+                     float* values, int* __restrict__ out_tokens,
+                     TokenLogprobsOut* __restrict__ out_logprobs) {
+    const int row = blockIdx.x;
+    const SampleRowEx p = params[row];
+    const scalar_t* x = logits + (long long)row * vocab;
+    process_entries(x, p, entries, biases, values);
+    RowView r;
+    init_row_view(r, x, vocab, entries, values, p.entry_begin, p.entry_end);
+    const int token = choose_token(r, p.base, vocab);
+    if (threadIdx.x == 0) out_tokens[row] = token;
+    if (p.logprobs >= 0) row_logprobs(x, r.lo, r.hi, token, p.logprobs, out_logprobs + p.logprobs_slot);
 }

@@ -20,7 +20,7 @@ use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::CudaSlice;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
-    AttentionDims, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType, Gemm,
+    AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType, Gemm,
 };
 
 use tensor::DevicePlan;
@@ -28,7 +28,7 @@ pub use tensor::{CudaInts, CudaTensor};
 
 use super::{Backend, StepMetadata};
 use crate::sampler::seeded_uniform;
-use crate::weights::HostTensor;
+use crate::weights::{HostTensor, WeightTensor};
 
 /// CUDA devices the driver reports; 0 without a driver (`--device auto`).
 pub fn device_count() -> usize {
@@ -40,6 +40,8 @@ pub struct CudaBackend {
     pub ops: CudaOps,
     gemm: Gemm,
     dtype: DType,
+    /// The attention kernels (`--attention-backend`).
+    attention: AttentionKernels,
     /// Draws of requests without a seed: a counter-based stream of their own.
     unseeded_draws: Cell<u64>,
 }
@@ -60,8 +62,15 @@ impl CudaBackend {
             ops,
             gemm,
             dtype,
+            attention: AttentionKernels::CUDA_CORE,
             unseeded_draws: Cell::new(0),
         })
+    }
+
+    /// Runs attention with `kernels` instead of the CUDA-core default.
+    pub fn with_attention_kernels(mut self, kernels: AttentionKernels) -> Self {
+        self.attention = kernels;
+        self
     }
 
     pub fn dtype(&self) -> DType {
@@ -115,10 +124,12 @@ impl CudaBackend {
             shape.num_q_heads,
             shape.num_kv_heads,
             self.dev.num_sms,
+            self.attention,
         )?;
         let dp = DevicePlan {
             tile_seq: self.upload_i32(&plan.tile_seq)?,
             tile_token: self.upload_i32(&plan.tile_token)?,
+            decode_seqs: self.upload_i32(&plan.decode_seqs)?,
             plan,
         };
         Ok(cell.get_or_init(|| dp))
@@ -155,6 +166,31 @@ fn check_block_tables(
     Ok(())
 }
 
+impl CudaBackend {
+    /// A tensor of `shape` from bytes already in the backend's dtype (at least one element
+    /// is allocated: empty buffers are not allocatable).
+    fn upload_bytes(&self, shape: &[usize], bytes: &[u8]) -> Result<CudaTensor> {
+        ensure!(
+            bytes.len() == shape.iter().product::<usize>() * self.dtype.size(),
+            "upload: {} bytes for a {shape:?} tensor of {}",
+            bytes.len(),
+            self.dtype.name()
+        );
+        let buf = if bytes.is_empty() {
+            self.ops.alloc(1)?
+        } else {
+            self.dev
+                .stream
+                .clone_htod(bytes)
+                .map_err(|e| anyhow::anyhow!("copying a {shape:?} tensor to the GPU: {e:?}"))?
+        };
+        Ok(CudaTensor {
+            shape: shape.to_vec(),
+            buf,
+        })
+    }
+}
+
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Ints = CudaInts;
@@ -170,19 +206,18 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CudaTensor> {
-        let bytes = self.dtype.encode(&t.data);
-        let buf = if bytes.is_empty() {
-            self.ops.alloc(1)?
-        } else {
-            self.dev
-                .stream
-                .clone_htod(&bytes)
-                .map_err(|e| anyhow::anyhow!("copying a {:?} tensor to the GPU: {e:?}", t.shape))?
-        };
-        Ok(CudaTensor {
-            shape: t.shape.clone(),
-            buf,
-        })
+        self.upload_bytes(&t.shape, &self.dtype.encode(&t.data))
+    }
+
+    fn weight_dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// A weight of the backend's dtype goes to the GPU straight from its bytes (the
+    /// checkpoint's mmap, for an unsharded tensor); another dtype is converted on the host
+    /// in parallel chunks first.
+    fn upload_weight(&self, w: &WeightTensor) -> Result<CudaTensor> {
+        self.upload_bytes(&w.shape, &w.bytes_as(self.dtype))
     }
 
     fn upload_ints(&self, data: &[i32]) -> Result<CudaInts> {
@@ -421,6 +456,7 @@ impl Backend for CudaBackend {
             query_start_loc: &meta.query_start_loc.dev,
             tile_seq: &dp.tile_seq,
             tile_token: &dp.tile_token,
+            decode_seqs: &dp.decode_seqs,
             plan: &dp.plan,
         };
         let dims = AttentionDims {

@@ -30,6 +30,7 @@ pub struct DevicePlan {
     pub plan: AttentionPlan,
     pub tile_seq: CudaSlice<i32>,
     pub tile_token: CudaSlice<i32>,
+    pub decode_seqs: CudaSlice<i32>,
 }
 
 /// Small i32 metadata: the device copy the kernels read and the host copy it came from.

@@ -11,7 +11,7 @@
 use std::path::Path;
 
 use anyhow::{ensure, Result};
-use vllm_kernels::cuda::{libs, DType};
+use vllm_kernels::cuda::{libs, AttentionKernels, DType};
 use vllm_protocol::SamplingParams;
 
 use super::{sampling, CudaBackend};
@@ -242,12 +242,31 @@ fn model_dir(preset: &str) -> std::path::PathBuf {
 }
 
 /// CUDA vs CPU on one model: prints a table row, checks the bounds.
+/// Both attention backends: the CUDA-core kernel and the flash kernels.
 fn compare_model(preset: &str, dtype: DType, new_tokens: usize, max_abs_bound: f32) {
+    let sixteen_bit = dtype != DType::F32;
+    for kernels in [
+        AttentionKernels::CUDA_CORE,
+        AttentionKernels::flash(sixteen_bit),
+    ] {
+        compare_model_with(preset, dtype, kernels, new_tokens, max_abs_bound);
+    }
+}
+
+fn compare_model_with(
+    preset: &str,
+    dtype: DType,
+    kernels: AttentionKernels,
+    new_tokens: usize,
+    max_abs_bound: f32,
+) {
     let dir = model_dir(preset);
     let spec = TinyModelSpec::preset(preset).unwrap();
     let ps = prompts(6, spec.vocab, 1);
     let cpu = run_batch(&CpuBackend::new(1).unwrap(), &dir, &ps, new_tokens, true).unwrap();
-    let gpu = CudaBackend::new(0, 1, dtype).unwrap();
+    let gpu = CudaBackend::new(0, 1, dtype)
+        .unwrap()
+        .with_attention_kernels(kernels);
     let cuda = run_batch(&gpu, &dir, &ps, new_tokens, true).unwrap();
     let mut worst = Diff {
         max_abs: 0.0,
@@ -274,14 +293,20 @@ fn compare_model(preset: &str, dtype: DType, new_tokens: usize, max_abs_bound: f
         total += new_tokens;
     }
     println!(
-        "MODEL-CHECK {preset:<14} {:<8} logits max|d| {:.5} mean|d| {:.6} greedy agree {agree}/{total}",
+        "MODEL-CHECK {preset:<14} {:<8} {} logits max|d| {:.5} mean|d| {:.6} greedy agree \
+         {agree}/{total}",
         dtype.name(),
+        if kernels == AttentionKernels::CUDA_CORE {
+            "cuda-core"
+        } else {
+            "flash"
+        },
         worst.max_abs,
         worst.mean_abs
     );
     assert!(
         worst.max_abs <= max_abs_bound,
-        "{preset} {dtype:?}: max |logit diff| {} over {max_abs_bound}",
+        "{preset} {dtype:?} {kernels:?}: max |logit diff| {} over {max_abs_bound}",
         worst.max_abs
     );
 }
@@ -387,13 +412,6 @@ fn gpu_sampler_matches_cpu_sampler() {
                 })
                 .collect();
             let outputs: Vec<Vec<u32>> = (0..rows_per_case).map(|r| vec![1; r % 5]).collect();
-            let rows: Vec<_> = params
-                .iter()
-                .zip(&outputs)
-                .map(|(p, o)| sampling::row_params(&b, p, o.len(), 0))
-                .collect();
-            let ids: Vec<i32> = (0..rows_per_case as i32).collect();
-            let gpu = sampling::sample_rows(&b, &t, &ids, &rows).unwrap();
             let reqs: Vec<SamplingRequest> = params
                 .iter()
                 .zip(&outputs)
@@ -403,6 +421,11 @@ fn gpu_sampler_matches_cpu_sampler() {
                     output_token_ids: o,
                     eos_token_ids: &[],
                 })
+                .collect();
+            let gpu: Vec<u32> = sampling::sample_with(&b, &t, &reqs, 0, true)
+                .unwrap()
+                .into_iter()
+                .map(|(t, _)| t)
                 .collect();
             let cpu: Vec<u32> = Sampler::new(0)
                 .sample(&mut host, vocab, &reqs)
@@ -444,7 +467,13 @@ fn hf_parity_dump() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(64);
     let dtype = DType::from_flag(std::env::var("VLLM_PARITY_DTYPE").ok().as_deref()).unwrap();
-    let b = CudaBackend::new(0, 1, dtype).unwrap();
+    let kernels = match std::env::var("VLLM_PARITY_ATTENTION").as_deref() {
+        Ok("flash") => AttentionKernels::flash(dtype != DType::F32),
+        _ => AttentionKernels::CUDA_CORE,
+    };
+    let b = CudaBackend::new(0, 1, dtype)
+        .unwrap()
+        .with_attention_kernels(kernels);
     let started = std::time::Instant::now();
     let run = run_batch(&b, &model, &prompts, new_tokens, false).unwrap();
     let bytes: Vec<u8> = run
@@ -493,6 +522,8 @@ fn decode_latency_bench() {
             gpu_memory_utilization: 0.9,
             num_gpu_blocks_override: Some(64),
             seed: 0,
+            load_format: Default::default(),
+            attention_backend: Default::default(),
         };
         let mut r = ModelRunner::load_cuda(&cfg).unwrap();
         r.profile_cuda().unwrap();
@@ -551,5 +582,417 @@ fn decode_latency_bench() {
             times[steps * 9 / 10],
             prefill.as_secs_f64() * 1e3
         );
+    }
+}
+
+/// The `n` best ids of a row, best first, ties to the lowest id: the tokens that
+/// penalties, biases and the min_tokens mask must move for the check to mean something.
+fn best_ids(row: &[f32], n: usize) -> Vec<u32> {
+    let key = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
+    let mut ids: Vec<u32> = (0..row.len() as u32).collect();
+    ids.sort_by(|&a, &b| {
+        key(row[b as usize])
+            .total_cmp(&key(row[a as usize]))
+            .then(a.cmp(&b))
+    });
+    ids.truncate(n);
+    ids
+}
+
+/// One request of the full-parameter check: its parameters and history.
+struct FullRow {
+    params: SamplingParams,
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+    eos: Vec<u32>,
+}
+
+/// Template `case` of the full-parameter check on a row whose best ids are `best`
+/// (seeded wherever the draw is random, so both samplers draw the same uniform).
+fn full_row(case: usize, r: usize, best: &[u32]) -> FullRow {
+    let seed = Some(5000 + (case * 100 + r) as u64);
+    let b = |i: usize| best[i];
+    // A history where the best tokens repeat, in the prompt and in the output.
+    let prompt: Vec<u32> = vec![b(0), 3, b(2), b(0), 11, b(3), b(2), b(0), 7];
+    let output: Vec<u32> = (0..r % 6)
+        .map(|i| [b(0), b(1), b(0), 5, b(4), b(0)][i])
+        .collect();
+    let mut row = FullRow {
+        params: SamplingParams::default(),
+        prompt,
+        output,
+        eos: vec![],
+    };
+    let p = &mut row.params;
+    match case {
+        0 => {
+            p.temperature = 0.0;
+            p.repetition_penalty = 1.5;
+        }
+        1 => {
+            p.temperature = 0.0;
+            p.frequency_penalty = 0.7;
+            p.presence_penalty = 0.5;
+        }
+        2 => {
+            p.temperature = 0.9;
+            p.repetition_penalty = 1.2;
+            p.frequency_penalty = 0.3;
+            p.presence_penalty = 0.2;
+            p.top_k = 40;
+        }
+        3 => {
+            p.temperature = 0.0;
+            // Repeated token ids add in order; one forces a token on even rows.
+            p.logit_bias = vec![(b(5), 2.0), (b(7), -1.0), (b(5), 0.5), (b(0), -0.25)];
+            if r.is_multiple_of(2) {
+                p.logit_bias.push((17, 30.0));
+            }
+        }
+        4 => {
+            p.temperature = 1.0;
+            p.logit_bias = vec![(b(3), 1.5), (b(1), -3.0)];
+            p.top_p = 0.9;
+            p.min_p = 0.02;
+        }
+        5 => {
+            // min_tokens not reached: eos and stop ids are masked.
+            p.temperature = 0.0;
+            p.min_tokens = 10;
+            p.stop_token_ids = vec![b(1)];
+            row.eos = vec![b(0), b(2)];
+        }
+        6 => {
+            // ignore_eos: only the stop ids are masked.
+            p.temperature = 0.7;
+            p.min_tokens = 8;
+            p.ignore_eos = true;
+            p.stop_token_ids = vec![b(0)];
+            row.eos = vec![b(1)];
+        }
+        7 => {
+            p.temperature = 0.0;
+            p.logprobs = Some(0);
+        }
+        8 => {
+            p.temperature = 0.8;
+            p.logprobs = Some(1);
+            p.repetition_penalty = 1.3;
+        }
+        9 => {
+            p.temperature = 1.2;
+            p.logprobs = Some(5);
+            p.top_k = 10;
+            p.top_p = 0.8;
+            p.frequency_penalty = 0.4;
+        }
+        10 => {
+            // Everything at once, greedy.
+            p.temperature = 0.0;
+            p.logprobs = Some(20);
+            p.repetition_penalty = 1.4;
+            p.frequency_penalty = -0.5;
+            p.presence_penalty = 0.3;
+            p.logit_bias = vec![(b(6), 0.75), (b(0), 1.0)];
+            p.min_tokens = 100;
+            p.stop_token_ids = vec![b(2), 999_999];
+            row.eos = vec![b(1)];
+        }
+        11 => {
+            p.temperature = 0.6;
+            p.logprobs = Some(20);
+            p.presence_penalty = 1.0;
+            p.repetition_penalty = 0.8; // < 1: seen tokens are boosted
+            p.min_p = 0.05;
+            p.top_k = 100;
+            p.top_p = 0.95;
+        }
+        _ => {
+            // Seeded temperature sampling with penalties over a long, repetitive output.
+            p.temperature = 1.5;
+            p.repetition_penalty = 1.1;
+            p.frequency_penalty = 0.2;
+            p.logprobs = Some(3);
+            row.output = (0..30).map(|i| b(i % 4)).collect();
+        }
+    }
+    if !row.params.is_greedy() {
+        row.params.seed = seed;
+    }
+    row
+}
+
+const FULL_CASES: usize = 13;
+
+/// Logits of the full-parameter check: coarse-grid rows (ties everywhere); rows 1 and 9
+/// (case 9: logprobs) hold NaN and +inf, rows 2 and 10 (case 10: logprobs, processors)
+/// are all -inf (no distribution).
+fn full_logits(vocab: usize, rows_per_case: usize) -> Vec<f32> {
+    let n = FULL_CASES * rows_per_case;
+    let mut logits = sampler_rows(n, vocab, 77 + vocab as u64);
+    for r in [1, 9] {
+        logits[r * vocab + 3] = f32::NAN;
+        logits[r * vocab + 10] = f32::INFINITY;
+    }
+    for r in [2, 10] {
+        logits[r * vocab..(r + 1) * vocab].fill(f32::NEG_INFINITY);
+    }
+    logits
+}
+
+fn full_rows(logits: &[f32], vocab: usize) -> Vec<FullRow> {
+    (0..logits.len() / vocab)
+        .map(|i| {
+            let best = best_ids(&logits[i * vocab..(i + 1) * vocab], 8);
+            full_row(i % FULL_CASES, i / FULL_CASES, &best)
+        })
+        .collect()
+}
+
+fn full_reqs(rows: &[FullRow]) -> Vec<SamplingRequest<'_>> {
+    rows.iter()
+        .map(|r| SamplingRequest {
+            params: &r.params,
+            prompt_token_ids: &r.prompt,
+            output_token_ids: &r.output,
+            eos_token_ids: &r.eos,
+        })
+        .collect()
+}
+
+/// The full-parameter check means something only if the processors change tokens: the
+/// CPU sampler with and without penalties, bias and min_tokens must differ on at least a
+/// quarter of the rows (runs without a GPU).
+#[test]
+fn full_sampler_rows_are_moved_by_the_processors() {
+    for (vocab, rows_per_case) in [(1000usize, 8usize), (151_936, 2)] {
+        let mut logits = full_logits(vocab, rows_per_case);
+        let rows = full_rows(&logits, vocab);
+        let reqs = full_reqs(&rows);
+        let plain: Vec<SamplingParams> = rows
+            .iter()
+            .map(|r| SamplingParams {
+                repetition_penalty: 1.0,
+                frequency_penalty: 0.0,
+                presence_penalty: 0.0,
+                logit_bias: Vec::new(),
+                min_tokens: 0,
+                ..r.params.clone()
+            })
+            .collect();
+        let plain_reqs: Vec<SamplingRequest> = reqs
+            .iter()
+            .zip(&plain)
+            .map(|(r, p)| SamplingRequest { params: p, ..*r })
+            .collect();
+        let unprocessed = Sampler::new(0).sample(&mut logits.clone(), vocab, &plain_reqs);
+        let processed = Sampler::new(0).sample(&mut logits, vocab, &reqs);
+        let moved = processed
+            .iter()
+            .zip(&unprocessed)
+            .filter(|(a, b)| a.0 != b.0)
+            .count();
+        println!("vocab {vocab}: {moved}/{} rows moved", rows.len());
+        assert!(
+            moved * 4 >= rows.len(),
+            "only {moved}/{} rows moved",
+            rows.len()
+        );
+    }
+}
+
+/// The GPU sampler with every parameter vs the CPU sampler, on one batch of mixed rows
+/// (coarse-grid logits, so ties everywhere; rows with NaN and +inf, rows all -inf); the
+/// outputs are poisoned before the launch and the logits must come out untouched.
+/// Returns (tokens agreeing, rows, logprob rows agreeing, logprob rows, max |dlogprob|).
+fn full_sampler_case(b: &CudaBackend, vocab: usize, rows_per_case: usize) -> [f64; 5] {
+    let n = FULL_CASES * rows_per_case;
+    let t = b
+        .upload(&HostTensor::new(
+            vec![n, vocab],
+            full_logits(vocab, rows_per_case),
+        ))
+        .unwrap();
+    let host = b.to_host(&t).unwrap().data; // the values both sides see
+    let rows = full_rows(&host, vocab);
+    let reqs = full_reqs(&rows);
+    let gpu = sampling::sample_with(b, &t, &reqs, 0, true).unwrap();
+    let after = b.to_host(&t).unwrap().data;
+    assert!(
+        after
+            .iter()
+            .zip(&host)
+            .all(|(a, h)| a.to_bits() == h.to_bits()),
+        "the GPU sampler modified the logits"
+    );
+    let cpu = Sampler::new(0).sample(&mut host.clone(), vocab, &reqs);
+    let close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-4;
+    let (mut agree, mut lp_agree, mut lp_rows, mut worst) = (0, 0, 0, 0f32);
+    for (i, ((gt, gl), (ct, cl))) in gpu.iter().zip(&cpu).enumerate() {
+        let case = i % FULL_CASES;
+        if gt == ct {
+            agree += 1;
+        } else {
+            println!("SAMPLER-FULL vocab {vocab} row {i} case {case}: gpu {gt} cpu {ct}");
+        }
+        assert_eq!(gl.is_some(), cl.is_some(), "row {i}: logprobs presence");
+        if let (Some(g), Some(c)) = (gl, cl) {
+            lp_rows += 1;
+            let mut ok = g.token_id == c.token_id
+                && close(g.logprob, c.logprob)
+                && g.rank == c.rank
+                && g.top.len() == c.top.len();
+            for (&(gi, gv), &(ci, cv)) in g.top.iter().zip(&c.top) {
+                ok &= gi == ci && close(gv, cv);
+                if gv != cv {
+                    worst = worst.max((gv - cv).abs());
+                }
+            }
+            if g.logprob != c.logprob {
+                worst = worst.max((g.logprob - c.logprob).abs());
+            }
+            if ok {
+                lp_agree += 1;
+            } else {
+                println!("SAMPLER-FULL vocab {vocab} row {i} case {case}: gpu {g:?} cpu {c:?}");
+            }
+        }
+    }
+    [
+        agree as f64,
+        n as f64,
+        lp_agree as f64,
+        lp_rows as f64,
+        f64::from(worst),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn gpu_sampler_matches_cpu_sampler_with_every_parameter() {
+    if !gpu_present() {
+        return;
+    }
+    for dtype in [DType::F32, DType::BF16] {
+        let b = CudaBackend::new(0, 1, dtype).unwrap();
+        for (vocab, rows_per_case) in [(1000usize, 8usize), (151_936, 2)] {
+            let [agree, n, lp_agree, lp_rows, worst] = full_sampler_case(&b, vocab, rows_per_case);
+            println!(
+                "SAMPLER-FULL-CHECK {} vocab {vocab}: tokens agree {agree}/{n}, logprobs \
+                 agree {lp_agree}/{lp_rows}, max |dlogprob| {worst:.2e}",
+                dtype.name()
+            );
+            assert_eq!(agree, n, "{dtype:?} vocab {vocab}: tokens differ");
+            assert_eq!(
+                lp_agree, lp_rows,
+                "{dtype:?} vocab {vocab}: logprobs differ"
+            );
+        }
+    }
+}
+
+/// Every row through the processors, and a row without any entry next to one with many:
+/// the batch's entry ranges and logprobs slots stay with their rows whatever the order.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn gpu_sampler_rows_keep_their_entries_and_slots() {
+    if !gpu_present() {
+        return;
+    }
+    let b = CudaBackend::new(0, 1, DType::F32).unwrap();
+    let vocab = 64;
+    let n = 6;
+    let logits: Vec<f32> = (0..n * vocab)
+        .map(|i| ((i * 37) % 64) as f32 / 8.0)
+        .collect();
+    let t = b
+        .upload(&HostTensor::new(vec![n, vocab], logits.clone()))
+        .unwrap();
+    // Row r forces token 10 + r by a bias, every other row asks for logprobs.
+    let params: Vec<SamplingParams> = (0..n)
+        .map(|r| SamplingParams {
+            temperature: 0.0,
+            logit_bias: vec![(10 + r as u32, 100.0)],
+            logprobs: (r % 2 == 1).then_some(r as u32),
+            repetition_penalty: if r == 3 { 2.0 } else { 1.0 },
+            ..Default::default()
+        })
+        .collect();
+    let prompt: Vec<u32> = (0..40).collect();
+    let reqs: Vec<SamplingRequest> = params
+        .iter()
+        .map(|p| SamplingRequest {
+            params: p,
+            prompt_token_ids: &prompt,
+            output_token_ids: &[],
+            eos_token_ids: &[],
+        })
+        .collect();
+    let gpu = sampling::sample_with(&b, &t, &reqs, 0, true).unwrap();
+    let cpu = Sampler::new(0).sample(&mut logits.clone(), vocab, &reqs);
+    let shape = |lp: &Option<vllm_protocol::TokenLogprobs>| {
+        lp.as_ref()
+            .map(|l| (l.rank, l.top.iter().map(|&(t, _)| t).collect::<Vec<_>>()))
+    };
+    for (r, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+        assert_eq!(g.0, 10 + r as u32, "row {r}");
+        assert_eq!(g.0, c.0, "row {r}");
+        assert_eq!(shape(&g.1), shape(&c.1), "row {r}");
+        if let (Some(g), Some(c)) = (&g.1, &c.1) {
+            assert!((g.logprob - c.logprob).abs() <= 1e-4, "row {r}");
+        }
+    }
+    println!("SAMPLER-ROWS-CHECK ok");
+}
+
+/// Time of one GPU sampling step (launch, copies and host work) for a full decode batch
+/// of Qwen's vocabulary: plain rows, then every row with penalties over a 1k-token
+/// history, logit_bias, min_tokens and 20 logprobs. Prints SAMPLER-TIME.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn gpu_sampler_step_time() {
+    if !gpu_present() {
+        return;
+    }
+    let b = CudaBackend::new(0, 1, DType::BF16).unwrap();
+    let (n, vocab) = (256usize, 151_936usize);
+    let t = b
+        .upload(&HostTensor::new(vec![n, vocab], sampler_rows(n, vocab, 3)))
+        .unwrap();
+    let prompt: Vec<u32> = (0..1000u32).map(|i| (i * 7919) % vocab as u32).collect();
+    let output: Vec<u32> = (0..200u32).map(|i| (i * 104_729) % vocab as u32).collect();
+    let plain = SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: Some(1),
+        ..Default::default()
+    };
+    let full = SamplingParams {
+        repetition_penalty: 1.1,
+        frequency_penalty: 0.2,
+        presence_penalty: 0.1,
+        logit_bias: vec![(5, 1.0), (6, -1.0)],
+        min_tokens: 1000,
+        stop_token_ids: vec![7],
+        logprobs: Some(20),
+        ..plain.clone()
+    };
+    for (what, params) in [("plain", &plain), ("every parameter", &full)] {
+        let reqs: Vec<SamplingRequest> = (0..n)
+            .map(|_| SamplingRequest {
+                params,
+                prompt_token_ids: &prompt,
+                output_token_ids: &output,
+                eos_token_ids: &[2],
+            })
+            .collect();
+        sampling::sample(&b, &t, &reqs, 0).unwrap(); // warm-up
+        let iters = 20;
+        let started = std::time::Instant::now();
+        for _ in 0..iters {
+            sampling::sample(&b, &t, &reqs, 0).unwrap();
+        }
+        let ms = started.elapsed().as_secs_f64() * 1e3 / f64::from(iters);
+        println!("SAMPLER-TIME {n} rows × {vocab}, {what}: {ms:.3} ms/step");
     }
 }

@@ -1,0 +1,280 @@
+// Paged attention for decode: sequences with exactly one query token this step (the
+// semantics of `cpu::attention::paged_attention` for query length 1: the token attends to
+// every key of its sequence). vLLM's paged_attention_v2 scheme, tuned for bandwidth:
+//
+// Grid: (decode sequence, kv head, partition). A block reads its partition of the
+// sequence's keys once for all the q heads of its GQA group: pass 1 computes the scores
+// into shared memory (each key is handled by a group of D/8 lanes, 16 bytes per lane),
+// pass 2 takes the softmax, pass 3 accumulates V. Loads are unrolled DEC_UNROLL keys deep
+// so that enough bytes are in flight to saturate HBM. With several partitions, each writes
+// an unnormalised partial (o, m, l) that `paged_attention_decode_combine` merges.
+
+#define DEC_THREADS 128
+#define DEC_WARPS (DEC_THREADS / 32)
+#define DEC_UNROLL 4
+#define DEC_MAX_GROUP 8
+
+struct DecodeArgs {
+    const scalar_t* q;          // [T, Hq, D]
+    const scalar_t* key_cache;  // [num_blocks, block_size, Hkv, D]
+    const scalar_t* value_cache;
+    const int* block_tables;    // [num_seqs, max_blocks_per_seq]
+    const int* seq_lens;        // [num_seqs]
+    const int* query_start_loc; // [num_seqs + 1]
+    const int* decode_seqs;     // [num_decode] sequences with one query token
+    scalar_t* out;              // [T, Hq, D]                     (num_partitions == 1)
+    float* part_o;              // [partitions, num_decode, Hq, D] (num_partitions > 1)
+    float* part_ml;             // [partitions, num_decode, Hq, 2]
+    int num_decode;
+    int num_q_heads;
+    int num_kv_heads;
+    int block_size;
+    int max_blocks_per_seq;
+    int partition;              // keys per partition
+    float scale;
+};
+
+// Eight consecutive elements as f32 (the address is 8-element aligned).
+__device__ __forceinline__ void load8(const scalar_t* p, float* out) {
+#if defined(VLLM_DTYPE_F32)
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+#else
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = to_f32((u16)(w[i] & 0xffffu));
+        out[2 * i + 1] = to_f32((u16)(w[i] >> 16));
+    }
+#endif
+}
+
+template <int D>
+__device__ void paged_attention_decode_impl(const DecodeArgs& a) {
+    constexpr int TG = D / 8;               // lanes per key
+    constexpr int NG = DEC_THREADS / TG;    // keys per block per step
+    extern __shared__ float dec_smem[];
+    float* scores = dec_smem;                               // [G][partition]
+    float* red = dec_smem + DEC_MAX_GROUP * a.partition;    // [DEC_WARPS][G][D]
+    __shared__ float s_max[DEC_WARPS][DEC_MAX_GROUP];
+    __shared__ float s_sum[DEC_WARPS][DEC_MAX_GROUP];
+
+    const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int grp = tid / TG, sub = tid % TG;
+    const int seq = a.decode_seqs[i];
+    const int token = a.query_start_loc[seq];
+    const int seq_len = a.seq_lens[seq];
+    const int g = a.num_q_heads / a.num_kv_heads;
+    const int k_begin = part * a.partition;
+    const int k_end = min(seq_len, k_begin + a.partition);
+    const long long q_row0 = (long long)token * a.num_q_heads + (long long)kvh * g;
+    // Partial rows are indexed by decode sequence, not by token.
+    const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
+
+    if (k_begin >= k_end) {  // this partition lies past the sequence's end
+        if (gridDim.z > 1 && tid < g) {
+            a.part_ml[(p_row0 + tid) * 2] = NEG_INF;
+            a.part_ml[(p_row0 + tid) * 2 + 1] = 0.f;
+        }
+        return;
+    }
+
+    float q[DEC_MAX_GROUP][8];
+#pragma unroll
+    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+        if (h < g) {
+            load8(a.q + (q_row0 + h) * D + sub * 8, q[h]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) q[h][e] *= a.scale;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) q[h][e] = 0.f;
+        }
+    }
+    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
+    const long long kv_row = (long long)a.num_kv_heads * D;
+    const long long kv_off = (long long)kvh * D + sub * 8;
+
+    // Pass 1: scores. Every lane runs the same number of steps (shuffles need the whole
+    // warp); keys past the end are loaded as zeros and not stored.
+    float m[DEC_MAX_GROUP];
+#pragma unroll
+    for (int h = 0; h < DEC_MAX_GROUP; ++h) m[h] = NEG_INF;
+    for (int base = k_begin; base < k_end; base += NG * DEC_UNROLL) {
+        float kf[DEC_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; ++u) {
+            const int k = base + grp + NG * u;
+            if (k < k_end) {
+                const long long slot =
+                    (long long)table[k / a.block_size] * a.block_size + k % a.block_size;
+                load8(a.key_cache + slot * kv_row + kv_off, kf[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) kf[u][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; ++u) {
+            const int k = base + grp + NG * u;
+#pragma unroll
+            for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+                if (h >= g) break;
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot += q[h][e] * kf[u][e];
+#pragma unroll
+                for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                if (k < k_end) {
+                    m[h] = fmaxf(m[h], dot);
+                    if (sub == 0) scores[h * a.partition + (k - k_begin)] = dot;
+                }
+            }
+        }
+    }
+
+    // Pass 2: the block's max and the exponentials.
+#pragma unroll
+    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+        if (h >= g) break;
+        const float wm = warp_max(m[h]);
+        if (lane == 0) s_max[warp][h] = wm;
+    }
+    __syncthreads();  // also publishes the scores
+    const int n_keys = k_end - k_begin;
+    float l_part[DEC_MAX_GROUP];
+#pragma unroll
+    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+        if (h >= g) break;
+        float mh = s_max[0][h];
+#pragma unroll
+        for (int w = 1; w < DEC_WARPS; ++w) mh = fmaxf(mh, s_max[w][h]);
+        m[h] = mh;
+        float s = 0.f;
+        for (int k = tid; k < n_keys; k += DEC_THREADS) {
+            const float p = __expf(scores[h * a.partition + k] - mh);
+            scores[h * a.partition + k] = p;
+            s += p;
+        }
+        l_part[h] = warp_sum(s);
+        if (lane == 0) s_sum[warp][h] = l_part[h];
+    }
+    __syncthreads();  // publishes the probabilities and the partial sums
+
+    // Pass 3: o = Σ p · v, each lane owning 8 columns of its key group.
+    float acc[DEC_MAX_GROUP][8];
+#pragma unroll
+    for (int h = 0; h < DEC_MAX_GROUP; ++h)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
+    for (int base = k_begin; base < k_end; base += NG * DEC_UNROLL) {
+        float vf[DEC_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; ++u) {
+            const int k = base + grp + NG * u;
+            if (k < k_end) {
+                const long long slot =
+                    (long long)table[k / a.block_size] * a.block_size + k % a.block_size;
+                load8(a.value_cache + slot * kv_row + kv_off, vf[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; ++u) {
+            const int k = base + grp + NG * u;
+            if (k >= k_end) continue;
+#pragma unroll
+            for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+                if (h >= g) break;
+                const float p = scores[h * a.partition + (k - k_begin)];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[h][e] += p * vf[u][e];
+            }
+        }
+    }
+    // Sum the key groups: first inside the warp (lanes with the same `sub`), then across
+    // warps through shared memory.
+#pragma unroll
+    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+        if (h >= g) break;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+#pragma unroll
+            for (int o = TG; o < 32; o <<= 1) acc[h][e] += __shfl_xor_sync(0xffffffffu, acc[h][e], o);
+        }
+        if (lane < TG) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) red[(warp * DEC_MAX_GROUP + h) * D + sub * 8 + e] = acc[h][e];
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < g * D; idx += DEC_THREADS) {
+        const int h = idx / D, d = idx - h * D;
+        float o = 0.f, l = 0.f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) {
+            o += red[(w * DEC_MAX_GROUP + h) * D + d];
+            l += s_sum[w][h];
+        }
+        if (gridDim.z == 1) {
+            a.out[(q_row0 + h) * D + d] = from_f32(l > 0.f ? o / l : 0.f);
+        } else {
+            a.part_o[(p_row0 + h) * D + d] = o;
+            if (d == 0) {
+                a.part_ml[(p_row0 + h) * 2] = m[h];
+                a.part_ml[(p_row0 + h) * 2 + 1] = l;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+    paged_attention_decode_d16(DecodeArgs a) {
+    paged_attention_decode_impl<16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+    paged_attention_decode_d32(DecodeArgs a) {
+    paged_attention_decode_impl<32>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+    paged_attention_decode_d64(DecodeArgs a) {
+    paged_attention_decode_impl<64>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+    paged_attention_decode_d128(DecodeArgs a) {
+    paged_attention_decode_impl<128>(a);
+}
+
+// Merges the partitions of every (decode sequence, q head) into the token's output row:
+// one block of head_dim threads per row.
+extern "C" __global__ void paged_attention_decode_combine(
+    const float* __restrict__ part_o, const float* __restrict__ part_ml,
+    const int* __restrict__ decode_seqs, const int* __restrict__ query_start_loc,
+    scalar_t* __restrict__ out, int num_decode, int num_q_heads, int head_dim,
+    int num_partitions) {
+    const int i = blockIdx.x / num_q_heads, h = blockIdx.x % num_q_heads;
+    const long long rows = (long long)num_decode * num_q_heads;
+    const long long row = (long long)i * num_q_heads + h;
+    float m_max = NEG_INF;
+    for (int s = 0; s < num_partitions; ++s) m_max = fmaxf(m_max, part_ml[(s * rows + row) * 2]);
+    const long long out_row =
+        (long long)query_start_loc[decode_seqs[i]] * num_q_heads + h;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int s = 0; s < num_partitions; ++s) {
+            const long long prow = s * rows + row;
+            const float ms = part_ml[prow * 2];
+            if (ms == NEG_INF) continue;  // the partition lies past the sequence's end
+            const float w = __expf(ms - m_max);
+            den += w * part_ml[prow * 2 + 1];
+            num += w * part_o[prow * head_dim + d];
+        }
+        out[out_row * head_dim + d] = from_f32(den > 0.f ? num / den : 0.f);
+    }
+}

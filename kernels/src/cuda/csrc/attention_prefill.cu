@@ -1,0 +1,247 @@
+// Paged attention for prefill on tensor cores (bf16 and fp16 builds): flash-attention 2
+// over the sequence's cached prefix blocks plus this step's tokens, read through the
+// block table (the semantics of `cpu::attention::paged_attention`: query token j of a
+// sequence with `context_len` cached tokens attends to keys 0..=context_len + j).
+//
+// A block is PF_ROWS query rows = consecutive query tokens of one sequence × the q heads
+// of one GQA group (so each K/V tile is loaded once for the whole group); each of the four
+// warps owns 16 rows. Key tiles of PF_KEYS rows are staged in shared memory; S = Q·Kᵀ and
+// O += P·V are `mma.m16n8k16` with f32 accumulation, the online softmax runs on the S
+// fragments in registers, and P is rounded to the 16-bit type for the P·V product (as
+// flash-attention does).
+
+#if !defined(VLLM_DTYPE_F32)
+
+#define PF_WARPS 4
+#define PF_THREADS (PF_WARPS * 32)
+#define PF_ROWS (PF_WARPS * 16)
+#define PF_KEYS 64
+#define PF_PAD 8  // u16 padding per smem row: rows start on different banks
+
+struct PrefillArgs {
+    const scalar_t* q;          // [T, Hq, D]
+    const scalar_t* key_cache;  // [num_blocks, block_size, Hkv, D]
+    const scalar_t* value_cache;
+    const int* block_tables;    // [num_seqs, max_blocks_per_seq]
+    const int* seq_lens;        // [num_seqs]
+    const int* query_start_loc; // [num_seqs + 1]
+    const int* tile_seq;        // [num_tiles]
+    const int* tile_token;      // [num_tiles] first query token of each tile
+    scalar_t* out;              // [T, Hq, D]
+    int num_q_heads;
+    int num_kv_heads;
+    int block_size;
+    int max_blocks_per_seq;
+    int tokens_per_tile;
+    float scale;
+};
+
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    return (unsigned int)from_f32(lo) | ((unsigned int)from_f32(hi) << 16);
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const unsigned int* a, unsigned int b0,
+                                          unsigned int b1) {
+#if defined(VLLM_DTYPE_F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <int D>
+__device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
+    constexpr int KS = D / 16;  // k-steps of Q·Kᵀ
+    constexpr int NT = D / 8;   // n-tiles of O
+    constexpr int LD = D + PF_PAD;
+    __shared__ __align__(16) u16 sk[PF_KEYS * LD];
+    __shared__ __align__(16) u16 sv[PF_KEYS * LD];
+
+    const int tile = blockIdx.x, kvh = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int seq = a.tile_seq[tile];
+    const int t0 = a.tile_token[tile];
+    const int q_begin = a.query_start_loc[seq], q_end = a.query_start_loc[seq + 1];
+    const int context_len = a.seq_lens[seq] - (q_end - q_begin);
+    const int group = a.num_q_heads / a.num_kv_heads;
+    const int ntok = min(a.tokens_per_tile, q_end - t0);
+    const int rows = ntok * group;
+    const int tile_keys = context_len + (t0 - q_begin) + ntok;  // keys the last token sees
+    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
+    const long long kv_row = (long long)a.num_kv_heads * D;
+
+    // This thread's two rows (gid and gid + 8 of the warp's 16) and their key limits.
+    int limit[2];
+    long long qrow[2];
+    bool valid[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int r = warp * 16 + gid + 8 * j;
+        valid[j] = r < rows;
+        const int t = t0 + (valid[j] ? r / group : 0);
+        const int h = kvh * group + (valid[j] ? r % group : 0);
+        qrow[j] = (long long)t * a.num_q_heads + h;
+        limit[j] = valid[j] ? context_len + (t - q_begin) + 1 : 0;
+    }
+    // Q fragments (A operand, row-major 16×16 per k-step), straight from global memory.
+    unsigned int qa[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const unsigned int* p =
+                reinterpret_cast<const unsigned int*>(a.q + qrow[j] * D + ks * 16 + tig * 2);
+            qa[ks][j] = valid[j] ? p[0] : 0u;      // cols tig*2, +1
+            qa[ks][j + 2] = valid[j] ? p[4] : 0u;  // cols tig*2 + 8, +9
+        }
+    }
+
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    // Keys any row of the warp sees: warp-uniform, since mma.sync and the shuffles need
+    // every lane of the warp.
+    int warp_keys = max(limit[0], limit[1]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) warp_keys = max(warp_keys, __shfl_xor_sync(0xffffffffu, warp_keys, o));
+
+    for (int k0 = 0; k0 < tile_keys; k0 += PF_KEYS) {
+        __syncthreads();  // the previous tile is consumed
+        for (int c = tid; c < PF_KEYS * (D / 8); c += PF_THREADS) {
+            const int kr = c / (D / 8), d = (c - kr * (D / 8)) * 8;
+            const int p = k0 + kr;
+            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
+            if (p < tile_keys) {
+                const long long slot =
+                    (long long)table[p / a.block_size] * a.block_size + p % a.block_size;
+                const long long off = slot * kv_row + (long long)kvh * D + d;
+                kv = *reinterpret_cast<const uint4*>(a.key_cache + off);
+                vv = *reinterpret_cast<const uint4*>(a.value_cache + off);
+            }
+            *reinterpret_cast<uint4*>(&sk[kr * LD + d]) = kv;
+            *reinterpret_cast<uint4*>(&sv[kr * LD + d]) = vv;
+        }
+        __syncthreads();
+        if (k0 >= warp_keys) continue;  // every key of this tile is masked for the warp
+
+        // S = Q·Kᵀ for 16 rows × PF_KEYS keys.
+        float s[PF_KEYS / 8][4];
+#pragma unroll
+        for (int n = 0; n < PF_KEYS / 8; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            const u16* krow = &sk[(n * 8 + gid) * LD + tig * 2];
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const unsigned int b0 = *reinterpret_cast<const unsigned int*>(krow + ks * 16);
+                const unsigned int b1 = *reinterpret_cast<const unsigned int*>(krow + ks * 16 + 8);
+                mma_16816(s[n], qa[ks], b0, b1);
+            }
+        }
+        // Online softmax: mask, scale, row max over the quad, rescale.
+        float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < PF_KEYS / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = e >> 1;
+                const int key = k0 + n * 8 + tig * 2 + (e & 1);
+                const float v = key < limit[j] ? s[n][e] * a.scale : NEG_INF;
+                s[n][e] = v;
+                tile_max[j] = fmaxf(tile_max[j], v);
+            }
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
+            tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
+            const float m_new = fmaxf(m[j], tile_max[j]);
+            // A row with nothing visible yet keeps m = -inf; use 0 so exp() gives 0, not NaN.
+            m_use[j] = m_new == NEG_INF ? 0.f : m_new;
+            alpha[j] = __expf(m[j] - m_use[j]);
+            m[j] = m_new;
+            l[j] *= alpha[j];
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+        // P (rounded to 16 bits) as the A operand of P·V, 16 keys per k-step.
+#pragma unroll
+        for (int kk = 0; kk < PF_KEYS / 16; ++kk) {
+            unsigned int pa[4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float* sn = s[2 * kk + half];
+                const float p0 = __expf(sn[0] - m_use[0]), p1 = __expf(sn[1] - m_use[0]);
+                const float p2 = __expf(sn[2] - m_use[1]), p3 = __expf(sn[3] - m_use[1]);
+                l[0] += p0 + p1;
+                l[1] += p2 + p3;
+                pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
+                pa[2 * half + 1] = pack2(p2, p3);  // row gid + 8
+            }
+            // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
+            const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+            const int key_lo = kk * 16 + tig * 2;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int col = n * 8 + gid;
+                const unsigned int b0 = (unsigned int)sv[key_lo * LD + col] |
+                                        ((unsigned int)sv[(key_lo + 1) * LD + col] << 16);
+                const unsigned int b1 = (unsigned int)sv[(key_lo + 8) * LD + col] |
+                                        ((unsigned int)sv[(key_lo + 9) * LD + col] << 16);
+                mma_16816(o[n], pfrag, b0, b1);
+            }
+        }
+    }
+
+    // Normalise by the row sums (summed over the quad) and store.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        l[j] += __shfl_xor_sync(0xffffffffu, l[j], 1);
+        l[j] += __shfl_xor_sync(0xffffffffu, l[j], 2);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        if (!valid[j]) continue;
+        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        unsigned int* dst = reinterpret_cast<unsigned int*>(a.out + qrow[j] * D + tig * 2);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) dst[n * 4] = pack2(o[n][2 * j] * inv, o[n][2 * j + 1] * inv);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+    paged_attention_prefill_d16(PrefillArgs a) {
+    paged_attention_prefill_impl<16>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+    paged_attention_prefill_d32(PrefillArgs a) {
+    paged_attention_prefill_impl<32>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+    paged_attention_prefill_d64(PrefillArgs a) {
+    paged_attention_prefill_impl<64>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+    paged_attention_prefill_d128(PrefillArgs a) {
+    paged_attention_prefill_impl<128>(a);
+}
+
+#endif  // !VLLM_DTYPE_F32

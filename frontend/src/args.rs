@@ -91,7 +91,7 @@ pub struct EngineArgs {
     /// Force the number of KV blocks, whatever the memory budget says.
     #[arg(long)]
     pub num_gpu_blocks_override: Option<u32>,
-    /// Never capture CUDA graphs.
+    /// Never capture CUDA graphs (accepted for vLLM compatibility: none are captured yet).
     #[arg(long)]
     pub enforce_eager: bool,
     /// Weight and activation dtype: auto (the checkpoint's), bfloat16, float16, float32.

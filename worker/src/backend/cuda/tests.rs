@@ -241,33 +241,36 @@ fn model_dir(preset: &str) -> std::path::PathBuf {
     dir
 }
 
-/// CUDA vs CPU on one model: prints a table row, checks the bounds.
-/// Both attention backends: the CUDA-core kernel and the flash kernels.
+/// CUDA vs CPU on one model, with both attention backends (the CUDA-core kernel and the
+/// flash kernels) against one CPU run: prints a table row each, checks the bounds.
 fn compare_model(preset: &str, dtype: DType, new_tokens: usize, max_abs_bound: f32) {
+    let dir = model_dir(preset);
+    let spec = TinyModelSpec::preset(preset).unwrap();
+    let ps = prompts(6, spec.vocab, 1);
+    let cpu = run_batch(&CpuBackend::new(1).unwrap(), &dir, &ps, new_tokens, true).unwrap();
     let sixteen_bit = dtype != DType::F32;
     for kernels in [
         AttentionKernels::CUDA_CORE,
         AttentionKernels::flash(sixteen_bit),
     ] {
-        compare_model_with(preset, dtype, kernels, new_tokens, max_abs_bound);
+        let gpu = CudaBackend::new(0, 1, dtype)
+            .unwrap()
+            .with_attention_kernels(kernels);
+        let cuda = run_batch(&gpu, &dir, &ps, new_tokens, true).unwrap();
+        check_against_cpu(preset, dtype, kernels, &cpu, &cuda, new_tokens, max_abs_bound);
     }
 }
 
-fn compare_model_with(
+fn check_against_cpu(
     preset: &str,
     dtype: DType,
     kernels: AttentionKernels,
+    cpu: &BatchRun,
+    cuda: &BatchRun,
     new_tokens: usize,
     max_abs_bound: f32,
 ) {
-    let dir = model_dir(preset);
-    let spec = TinyModelSpec::preset(preset).unwrap();
-    let ps = prompts(6, spec.vocab, 1);
-    let cpu = run_batch(&CpuBackend::new(1).unwrap(), &dir, &ps, new_tokens, true).unwrap();
-    let gpu = CudaBackend::new(0, 1, dtype)
-        .unwrap()
-        .with_attention_kernels(kernels);
-    let cuda = run_batch(&gpu, &dir, &ps, new_tokens, true).unwrap();
+    let ps = &cpu.continuations;
     let mut worst = Diff {
         max_abs: 0.0,
         mean_abs: 0.0,

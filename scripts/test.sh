@@ -14,3 +14,12 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai
 fi
 "$venv/bin/python" scripts/openai_client_test.py "$target/debug/vllm-rs"
+
+# The CUDA sources compile with NVRTC for sm_90 in every dtype, and every kernel the
+# launch wrappers look up is in the CUBIN: no GPU needed, only libnvrtc, taken from
+# NVIDIA's PyPI wheel into the same private environment.
+if ! "$venv/bin/python" -c "import nvidia.cu13" >/dev/null 2>&1; then
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "nvidia-cuda-nvrtc==13.0.*"
+fi
+nvrtc_lib=$("$venv/bin/python" -c "import nvidia.cu13, os; print(os.path.join(nvidia.cu13.__path__[0], 'lib'))")
+VLLM_REQUIRE_NVRTC=1 LD_LIBRARY_PATH="$nvrtc_lib" CUDA_HOME=/nonexistent cargo test -p vllm-kernels --test cuda_nvrtc -- --ignored

@@ -254,30 +254,11 @@ impl<B: Backend> ModelRunner<B> {
             return Ok(output);
         };
         let mut logits = self.backend.to_host(&logits)?.data;
-        let reqs: Vec<SamplingRequest> = sampled_req_ids
-            .iter()
-            .map(|id| {
-                let s = &self.batch.requests[id];
-                SamplingRequest {
-                    params: &s.sampling_params,
-                    prompt_token_ids: &s.prompt_token_ids,
-                    output_token_ids: &s.output_token_ids,
-                    eos_token_ids: &self.model_config.eos_token_ids,
-                }
-            })
-            .collect();
+        let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
         let sampled = self
             .sampler
             .sample(&mut logits, self.model_config.vocab_size, &reqs);
-        output.sampled = sampled_req_ids
-            .iter()
-            .zip(sampled)
-            .map(|(req_id, (token_id, logprobs))| SampledToken {
-                req_id: req_id.clone(),
-                token_id,
-                logprobs,
-            })
-            .collect();
+        output.sampled = sampled_tokens(&sampled_req_ids, sampled);
         Ok(output)
     }
 
@@ -480,30 +461,47 @@ impl ModelRunner<CudaBackend> {
         let Some((sampled_req_ids, logits)) = self.forward_step(so)? else {
             return Ok(output);
         };
-        let reqs: Vec<SamplingRequest> = sampled_req_ids
-            .iter()
-            .map(|id| {
-                let s = &self.batch.requests[id];
-                SamplingRequest {
-                    params: &s.sampling_params,
-                    prompt_token_ids: &s.prompt_token_ids,
-                    output_token_ids: &s.output_token_ids,
-                    eos_token_ids: &self.model_config.eos_token_ids,
-                }
-            })
-            .collect();
+        let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
         let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
-        output.sampled = sampled_req_ids
-            .iter()
-            .zip(sampled)
-            .map(|(req_id, (token_id, logprobs))| SampledToken {
-                req_id: req_id.clone(),
-                token_id,
-                logprobs,
-            })
-            .collect();
+        output.sampled = sampled_tokens(&sampled_req_ids, sampled);
         Ok(output)
     }
+}
+
+/// What the sampler needs of each request that gets a token this step.
+fn sampling_requests<'a>(
+    batch: &'a InputBatch,
+    model_config: &'a ModelConfig,
+    req_ids: &[String],
+) -> Vec<SamplingRequest<'a>> {
+    req_ids
+        .iter()
+        .map(|id| {
+            let s = &batch.requests[id];
+            SamplingRequest {
+                params: &s.sampling_params,
+                prompt_token_ids: &s.prompt_token_ids,
+                output_token_ids: &s.output_token_ids,
+                eos_token_ids: &model_config.eos_token_ids,
+            }
+        })
+        .collect()
+}
+
+/// Pairs each request with the token (and logprobs) sampled for it.
+fn sampled_tokens(
+    req_ids: &[String],
+    sampled: Vec<(u32, Option<vllm_protocol::TokenLogprobs>)>,
+) -> Vec<SampledToken> {
+    req_ids
+        .iter()
+        .zip(sampled)
+        .map(|(req_id, (token_id, logprobs))| SampledToken {
+            req_id: req_id.clone(),
+            token_id,
+            logprobs,
+        })
+        .collect()
 }
 
 fn gib(bytes: u64) -> f64 {

@@ -41,8 +41,8 @@ mod tests {
         for (name, _) in super::SOURCES {
             assert!(tu.contains(&format!("\"{name}\"")));
         }
-        assert!(tu.contains("paged_attention_d128"));
-        assert!(tu.contains("paged_attention_decode_d128"));
-        assert!(tu.contains("paged_attention_prefill_d128"));
+        assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention,"));
+        assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention_decode,"));
+        assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention_prefill,"));
     }
 }

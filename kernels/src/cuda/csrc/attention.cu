@@ -165,25 +165,7 @@ __device__ void paged_attention_tile(const AttentionArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    paged_attention_d16(AttentionArgs a) {
-    paged_attention_tile<16>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    paged_attention_d32(AttentionArgs a) {
-    paged_attention_tile<32>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    paged_attention_d64(AttentionArgs a) {
-    paged_attention_tile<64>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    paged_attention_d128(AttentionArgs a) {
-    paged_attention_tile<128>(a);
-}
+HEAD_DIM_KERNELS(paged_attention, paged_attention_tile, ATT_THREADS, AttentionArgs)
 
 // Merges the splits' partials of every (token, q head): one block of head_dim threads.
 extern "C" __global__ void paged_attention_combine(const float* __restrict__ part_o,

@@ -231,25 +231,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-    paged_attention_decode_d16(DecodeArgs a) {
-    paged_attention_decode_impl<16>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-    paged_attention_decode_d32(DecodeArgs a) {
-    paged_attention_decode_impl<32>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-    paged_attention_decode_d64(DecodeArgs a) {
-    paged_attention_decode_impl<64>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-    paged_attention_decode_d128(DecodeArgs a) {
-    paged_attention_decode_impl<128>(a);
-}
+HEAD_DIM_KERNELS(paged_attention_decode, paged_attention_decode_impl, DEC_THREADS, DecodeArgs)
 
 // Merges the partitions of every (decode sequence, q head) into the token's output row:
 // one block of head_dim threads per row.

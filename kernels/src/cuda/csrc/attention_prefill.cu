@@ -224,24 +224,6 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS)
-    paged_attention_prefill_d16(PrefillArgs a) {
-    paged_attention_prefill_impl<16>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(PF_THREADS)
-    paged_attention_prefill_d32(PrefillArgs a) {
-    paged_attention_prefill_impl<32>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(PF_THREADS)
-    paged_attention_prefill_d64(PrefillArgs a) {
-    paged_attention_prefill_impl<64>(a);
-}
-
-extern "C" __global__ void __launch_bounds__(PF_THREADS)
-    paged_attention_prefill_d128(PrefillArgs a) {
-    paged_attention_prefill_impl<128>(a);
-}
+HEAD_DIM_KERNELS(paged_attention_prefill, paged_attention_prefill_impl, PF_THREADS, PrefillArgs)
 
 #endif  // !VLLM_DTYPE_F32

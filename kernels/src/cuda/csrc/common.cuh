@@ -81,3 +81,11 @@ __device__ __forceinline__ void load4(const scalar_t* p, float* out) {
     out[3] = to_f32((u16)(v.y >> 16));
 #endif
 }
+
+// The `extern "C"` entry points of a kernel templated on the head size: NAME_d16, _d32,
+// _d64 and _d128 (the sizes `attention_plan.rs` lists in HEAD_DIMS).
+#define HEAD_DIM_KERNELS(NAME, IMPL, THREADS, ARGS)                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d16(ARGS a) { IMPL<16>(a); } \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d32(ARGS a) { IMPL<32>(a); } \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d64(ARGS a) { IMPL<64>(a); } \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d128(ARGS a) { IMPL<128>(a); }

@@ -257,7 +257,15 @@ fn compare_model(preset: &str, dtype: DType, new_tokens: usize, max_abs_bound: f
             .unwrap()
             .with_attention_kernels(kernels);
         let cuda = run_batch(&gpu, &dir, &ps, new_tokens, true).unwrap();
-        check_against_cpu(preset, dtype, kernels, &cpu, &cuda, new_tokens, max_abs_bound);
+        check_against_cpu(
+            preset,
+            dtype,
+            kernels,
+            &cpu,
+            &cuda,
+            new_tokens,
+            max_abs_bound,
+        );
     }
 }
 

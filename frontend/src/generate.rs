@@ -27,15 +27,11 @@ async fn run_one(llm: &AsyncLLM, args: &GenerateArgs) -> anyhow::Result<()> {
         );
     }
     let params = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
         seed: args.sampling_seed,
         max_tokens: args
             .max_tokens
             .min(llm.max_model_len() - prompt.len() as u32),
-        ignore_eos: args.ignore_eos,
-        ..Default::default()
+        ..args.sampling.params()
     };
     params.validate(llm.client.ready.model.vocab_size)?;
     let text = TextOptions {

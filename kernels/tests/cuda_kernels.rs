@@ -12,7 +12,7 @@ use vllm_kernels::cpu;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     libs, AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps,
-    DType, Gemm,
+    DType, Gemm, SampleRowEx, SamplingBatch,
 };
 
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
@@ -628,13 +628,26 @@ fn greedy_sampling_is_the_first_argmax() {
         x[vocab + 9000] = 100.0;
         x[2 * vocab + 5] = f32::NAN;
         x[2 * vocab + 77] = f32::INFINITY;
-        let params = vec![vllm_kernels::cuda::SampleRow::default(); rows];
-        let dp = g.dev.stream.clone_htod(&params).unwrap();
-        let mut out = c.ints(&vec![-1; rows]);
-        c.ops
-            .sample_tokens(&c.upload(&x), &dp, &mut out, rows, vocab)
-            .unwrap();
-        let got = g.dev.stream.clone_dtoh(&out).unwrap();
+        // Plain greedy rows: no logits-processor entries, no logprobs.
+        let params = vec![
+            SampleRowEx {
+                repetition_penalty: 1.0,
+                logprobs: -1,
+                ..Default::default()
+            };
+            rows
+        ];
+        let batch = SamplingBatch {
+            rows: &params,
+            entries: &[],
+            biases: &[],
+            num_logprobs: 0,
+        };
+        let got = c
+            .ops
+            .sample_tokens_ex(&c.upload(&x), vocab, &batch, true)
+            .unwrap()
+            .tokens;
         for row in 0..rows {
             let rowv = &x[row * vocab..(row + 1) * vocab];
             let mut best = 0;

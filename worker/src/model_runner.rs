@@ -183,7 +183,12 @@ impl<B: Backend> ModelRunner<B> {
             bytes_per_block = per_block,
             "profiled KV cache"
         );
-        Ok(WorkerProfile {
+        Ok(self.worker_profile(num_available_blocks))
+    }
+
+    /// What the engine learns of this worker: its KV blocks and the model it runs.
+    fn worker_profile(&self, num_available_blocks: u32) -> WorkerProfile {
+        WorkerProfile {
             rank: self.cfg.rank,
             num_available_blocks,
             model: ModelInfo {
@@ -194,7 +199,7 @@ impl<B: Backend> ModelRunner<B> {
                 dtype: self.backend.dtype_name().to_string(),
             },
             device: self.backend.device_name(),
-        })
+        }
     }
 
     pub fn initialize_kv_cache(&mut self, num_blocks: u32) -> Result<()> {
@@ -401,18 +406,7 @@ impl ModelRunner<CudaBackend> {
             bytes_per_block = per_block,
             "KV cache size"
         );
-        Ok(WorkerProfile {
-            rank: self.cfg.rank,
-            num_available_blocks,
-            model: ModelInfo {
-                architecture: self.model_config.architecture.hf_name().to_string(),
-                vocab_size: self.model_config.vocab_size as u32,
-                num_hidden_layers: self.model_config.num_hidden_layers as u32,
-                max_model_len: self.max_model_len as u32,
-                dtype: self.backend.dtype_name().to_string(),
-            },
-            device: self.backend.device_name(),
-        })
+        Ok(self.worker_profile(num_available_blocks))
     }
 
     /// One forward of the worst-case step, with logits and GPU sampling of every row,

@@ -15,20 +15,10 @@ use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
 use crate::layers::TensorParallel;
 use crate::models::{variant_for, LlamaForCausalLM};
+use crate::sampler::argmax;
 use crate::weights::Weights;
 
 const BLOCK_SIZE: usize = 16;
-
-/// The first maximum, as the sampler's greedy path picks it.
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
 
 /// One prefill of `tokens` on a contiguous block table; logits of the last token.
 fn last_logits(

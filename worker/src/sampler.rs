@@ -208,7 +208,7 @@ fn sorted_counts(ids: &[u32], vocab: usize) -> Vec<(u32, u32)> {
 }
 
 /// The first index of the largest value (ties go to the lowest id, as torch.argmax).
-fn argmax(row: &[f32]) -> u32 {
+pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in row.iter().enumerate() {
         if x > row[best] {

@@ -8,6 +8,7 @@ use vllm_protocol::{CachedRequestData, NewRequestData, SamplingParams, Scheduler
 use vllm_worker::config::Architecture;
 use vllm_worker::model_runner::{ModelRunner, WorkerConfig};
 use vllm_worker::reference::{greedy_reference, reference_logits};
+use vllm_worker::sampler::argmax;
 use vllm_worker::tiny_model::{
     special_token_ids, tiny_model_tensors, write_safetensors, write_tiny_model, TinyDtype,
     TinyModelSpec,
@@ -90,16 +91,6 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
         .map(|i| (i * 37 + salt * 11 + 5) % 256)
         .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn tiny(dir: &Path, arch: Architecture, tied: bool) {

@@ -12,6 +12,7 @@ use super::dataset::{self, DatasetRow};
 use super::{drain, progress_bar, random_vocab, submit, write_json};
 use crate::args::EngineArgs;
 use crate::async_llm::AsyncLLM;
+use crate::cli::SamplingFlags;
 
 /// Random prompts when --dataset is absent and --num-prompts is not given (vLLM's default).
 const DEFAULT_RANDOM_PROMPTS: usize = 1000;
@@ -35,16 +36,8 @@ pub struct ThroughputArgs {
     /// (default: 1000).
     #[arg(long)]
     pub num_prompts: Option<usize>,
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// 0 or -1 disables top-k.
-    #[arg(long, default_value_t = 0)]
-    pub top_k: i32,
-    /// Generate every request's full max_tokens whatever tokens it samples.
-    #[arg(long)]
-    pub ignore_eos: bool,
+    #[command(flatten)]
+    pub sampling: SamplingFlags,
     /// Detokenize the outputs as they stream, as a server would (off: token ids only).
     #[arg(long)]
     pub detokenize: bool,
@@ -122,13 +115,7 @@ async fn bench(llm: &AsyncLLM, args: &ThroughputArgs, workload: Workload) -> any
         ),
     };
     dataset::check_requests(&requests, vocab_size, llm.max_model_len()).map_err(in_dataset)?;
-    let base = SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        ignore_eos: args.ignore_eos,
-        ..Default::default()
-    };
+    let base = args.sampling.params();
     base.validate(vocab_size)?;
 
     let num_requests = requests.len();
@@ -206,10 +193,10 @@ async fn bench(llm: &AsyncLLM, args: &ThroughputArgs, workload: Workload) -> any
                 "output_tokens_per_second": total_output_tokens as f64 / elapsed,
                 "requests_with_full_max_tokens": full,
                 "all_full_max_tokens": full == num_requests,
-                "ignore_eos": args.ignore_eos,
+                "ignore_eos": args.sampling.ignore_eos,
                 "detokenize": args.detokenize,
                 // Through its shortest decimal, so that 0.6 is written 0.6.
-                "temperature": args.temperature.to_string().parse::<f64>().unwrap_or(f64::NAN),
+                "temperature": args.sampling.temperature.to_string().parse::<f64>().unwrap_or(f64::NAN),
             }),
         )?;
     }
@@ -248,7 +235,7 @@ fn print_figures(f: &Figures, args: &ThroughputArgs) {
         )
     };
     println!("Full length: {verdict}");
-    if args.ignore_eos && f.full != f.num_requests {
+    if args.sampling.ignore_eos && f.full != f.num_requests {
         tracing::warn!("with --ignore-eos every request should run to its max_tokens: {verdict}");
     }
 }

@@ -21,8 +21,8 @@ pub use attention_plan::{AttentionKernels, AttentionPlan};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;
-pub use ops::{AttentionDims, AttentionMeta, CudaOps, SampleRow};
+pub use ops::{AttentionDims, AttentionMeta, CudaOps};
 pub use sampling_ops::{
-    LogitEntry, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,
+    LogitEntry, SampleRow, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,
     ENTRY_REPEAT, MAX_LOGPROBS,
 };

@@ -36,7 +36,6 @@ pub struct Functions {
     pub paged_attention_decode_combine: CudaFunction,
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
     pub paged_attention_prefill: Option<[CudaFunction; 4]>,
-    pub sample_tokens: CudaFunction,
     pub sample_tokens_ex: CudaFunction,
 }
 
@@ -135,7 +134,6 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
                 f("paged_attention_prefill_d128")?,
             ]),
         },
-        sample_tokens: f("sample_tokens")?,
         sample_tokens_ex: f("sample_tokens_ex")?,
     };
     Ok((module, functions, source))

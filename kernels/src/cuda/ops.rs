@@ -19,21 +19,6 @@ use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::module::{self, BuildSource, Functions};
 
-/// One row's sampling parameters (`SampleRow` in sampling.cu).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct SampleRow {
-    pub temperature: f32,
-    /// <= 0: off.
-    pub top_k: i32,
-    pub top_p: f32,
-    pub min_p: f32,
-    /// The row's uniform draw in [0, 1).
-    pub uniform: f64,
-}
-// SAFETY: repr(C) plain data, the layout of the CUDA struct.
-unsafe impl DeviceRepr for SampleRow {}
-
 /// `AttentionArgs` of attention.cu, field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -839,38 +824,6 @@ impl CudaOps {
             unsafe { b.launch(rows_cfg(rows, dims.head_dim as u32)) }
                 .map_err(|e| driver_error("launching paged_attention_combine", e))?;
         }
-        Ok(())
-    }
-
-    /// One token per logits row [rows, vocab] with the rows' parameters.
-    pub fn sample_tokens(
-        &self,
-        logits: &CudaSlice<u8>,
-        params: &CudaSlice<SampleRow>,
-        out: &mut CudaSlice<i32>,
-        rows: usize,
-        vocab: usize,
-    ) -> Result<()> {
-        if rows == 0 {
-            return Ok(());
-        }
-        self.check(logits, rows * vocab, "sample logits")?;
-        ensure!(
-            params.len() >= rows,
-            "sample: {} params for {rows} rows",
-            params.len()
-        );
-        ensure!(
-            out.len() >= rows,
-            "sample: {} outputs for {rows} rows",
-            out.len()
-        );
-        let v = i32_of(vocab, "vocab")?;
-        let mut b = self.stream.launch_builder(&self.f.sample_tokens);
-        b.arg(logits).arg(&v).arg(params).arg(out);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(rows_cfg(rows, 1024)) }
-            .map_err(|e| driver_error("launching sample_tokens", e))?;
         Ok(())
     }
 }

@@ -9,7 +9,7 @@ use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::device::driver_error;
-use super::ops::{CudaOps, SampleRow};
+use super::ops::CudaOps;
 
 /// Most top logprobs per row (vLLM's `max_logprobs` default, `MAX_LOGPROBS` in sampling.cu).
 pub const MAX_LOGPROBS: usize = 20;
@@ -34,6 +34,21 @@ pub struct LogitEntry {
 }
 // SAFETY: repr(C) plain data, the layout of the CUDA struct.
 unsafe impl DeviceRepr for LogitEntry {}
+
+/// One row's sampling parameters (`SampleRow` in sampling.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SampleRow {
+    pub temperature: f32,
+    /// <= 0: off.
+    pub top_k: i32,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// The row's uniform draw in [0, 1).
+    pub uniform: f64,
+}
+// SAFETY: repr(C) plain data, the layout of the CUDA struct.
+unsafe impl DeviceRepr for SampleRow {}
 
 /// One row of `sample_tokens_ex` (`SampleRowEx` in sampling.cu).
 #[repr(C)]

@@ -18,6 +18,11 @@
 #define ATT_ROWS_PER_WARP (ATT_ROWS / ATT_WARPS)
 #define ATT_KEYS 32
 
+// The cache slot of key `k` of a sequence, through its block table row.
+__device__ __forceinline__ long long cache_slot(const int* table, int k, int block_size) {
+    return (long long)table[k / block_size] * block_size + k % block_size;
+}
+
 struct AttentionArgs {
     const scalar_t* q;          // [T, Hq, D]
     const scalar_t* key_cache;  // [num_blocks, block_size, Hkv, D]
@@ -94,8 +99,7 @@ __device__ void paged_attention_tile(const AttentionArgs& a) {
             const int p = c0 + c;
             float kv[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
             if (p < k_end) {
-                const long long slot =
-                    (long long)table[p / a.block_size] * a.block_size + p % a.block_size;
+                const long long slot = cache_slot(table, p, a.block_size);
                 const long long off = slot * kv_row + (long long)kvh * D + d;
                 load4(a.key_cache + off, kv);
                 load4(a.value_cache + off, vv);

@@ -110,8 +110,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
             if (k < k_end) {
-                const long long slot =
-                    (long long)table[k / a.block_size] * a.block_size + k % a.block_size;
+                const long long slot = cache_slot(table, k, a.block_size);
                 load8(a.key_cache + slot * kv_row + kv_off, kf[u]);
             } else {
 #pragma unroll
@@ -177,8 +176,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
             if (k < k_end) {
-                const long long slot =
-                    (long long)table[k / a.block_size] * a.block_size + k % a.block_size;
+                const long long slot = cache_slot(table, k, a.block_size);
                 load8(a.value_cache + slot * kv_row + kv_off, vf[u]);
             }
         }

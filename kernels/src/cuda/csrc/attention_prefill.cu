@@ -122,8 +122,7 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
             const int p = k0 + kr;
             uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
             if (p < tile_keys) {
-                const long long slot =
-                    (long long)table[p / a.block_size] * a.block_size + p % a.block_size;
+                const long long slot = cache_slot(table, p, a.block_size);
                 const long long off = slot * kv_row + (long long)kvh * D + d;
                 kv = *reinterpret_cast<const uint4*>(a.key_cache + off);
                 vv = *reinterpret_cast<const uint4*>(a.value_cache + off);

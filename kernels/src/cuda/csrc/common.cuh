@@ -68,6 +68,19 @@ __device__ float block_sum(float v) {
     return warp_sum(v);
 }
 
+// Max over the whole block, with the same contract as `block_sum`.
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int num_warps = blockDim.x >> 5;
+    v = (lane < num_warps) ? partial[lane] : NEG_INF;
+    return warp_max(v);
+}
+
 // Four consecutive elements as f32 (the address is 4-element aligned).
 __device__ __forceinline__ void load4(const scalar_t* p, float* out) {
 #if defined(VLLM_DTYPE_F32)

@@ -16,7 +16,6 @@
 // 3. raw logprobs (of the unprocessed row, vLLM's default): the log-sum-exp normaliser in
 //    f64, the sampled token's logprob and rank (how many tokens are >= it), and the top-k
 //    (k <= 20) best first, ties to the lowest id.
-// `sample_tokens` is step 2 alone on the unprocessed row.
 //
 // Each thread owns a contiguous chunk of the vocabulary and re-reads it in every pass
 // (the row stays in L2). Thresholds are found by radix selection over order-preserving
@@ -122,18 +121,6 @@ __device__ T block_total(T v) {
     return total;
 }
 
-// Max over the block; every thread gets it. Safe to call repeatedly.
-__device__ float sample_block_max(float v) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = lane < (int)(blockDim.x >> 5) ? partial[lane] : NEG_INF;
-    return warp_max(v);
-}
-
 // Warp argmax: the largest value, ties to the lowest id; every lane gets it.
 __device__ __forceinline__ void warp_argmax(float& v, int& id) {
 #pragma unroll
@@ -205,6 +192,15 @@ struct RowView {
     }
     __device__ float y(int t, int& e) const { return scaled(logit(t, e)); }
     __device__ double weight(float v) const { return exp((double)(v - max_y)); }
+    // Survives min-p, top-k and top-p. `rank` counts the ties at the top-p cut met so far
+    // in id order (the first `cut_ties` of them are kept).
+    __device__ bool kept(float v, int& rank) const {
+        if (!base(v)) return false;
+        if (!top_p_on) return true;
+        const unsigned int key = order_key(v);
+        if (key < cut_key) return false;
+        return key != cut_key || rank++ < cut_ties;
+    }
     // Survives min-p and top-k (and is finite).
     __device__ bool base(float v) const {
         if (v == NEG_INF) return false;
@@ -419,12 +415,7 @@ __device__ int choose_token(RowView& r, const SampleRow& p, int vocab) {
         int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
             const float v = r.y(t, e);
-            if (!r.base(v)) continue;
-            if (r.top_p_on) {
-                const unsigned int key = order_key(v);
-                if (key < r.cut_key) continue;
-                if (key == r.cut_key && rank++ >= r.cut_ties) continue;
-            }
+            if (!r.kept(v, rank)) continue;
             const double w = r.weight(v);
             mass += w;
             if (w > 0.0) last_kept = t;
@@ -449,12 +440,7 @@ __device__ int choose_token(RowView& r, const SampleRow& p, int vocab) {
         int e = r.e_lo;
         for (int t = r.lo; t < r.hi; ++t) {
             const float v = r.y(t, e);
-            if (!r.base(v)) continue;
-            if (r.top_p_on) {
-                const unsigned int key = order_key(v);
-                if (key < r.cut_key) continue;
-                if (key == r.cut_key && rank++ >= r.cut_ties) continue;
-            }
+            if (!r.kept(v, rank)) continue;
             acc += r.weight(v);
             if (acc > target) {
                 answer = t;
@@ -532,7 +518,7 @@ __device__ void row_logprobs(const scalar_t* x, int lo, int hi, int token, int k
         ti[pos] = t;
         if (n < k) ++n;
     }
-    mx = sample_block_max(mx);
+    mx = block_max(mx);
     const float sampled = sanitize(to_f32(x[token]));
     double sum = 0.0;
     int at_least = 0;
@@ -563,17 +549,6 @@ __device__ void row_logprobs(const scalar_t* x, int lo, int hi, int token, int k
         out->rank = max(at_least, 1);
         out->num_top = num_top;
     }
-}
-
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-    sample_tokens(const scalar_t* __restrict__ logits, int vocab,
-                  const SampleRow* __restrict__ params, int* __restrict__ out_tokens) {
-    const int row = blockIdx.x;
-    const SampleRow p = params[row];
-    RowView r;
-    init_row_view(r, logits + (long long)row * vocab, vocab, nullptr, nullptr, 0, 0);
-    const int token = choose_token(r, p, vocab);
-    if (threadIdx.x == 0) out_tokens[row] = token;
 }
 
 // Every parameter: logits processors through `entries` (processed values written to

@@ -20,6 +20,7 @@ use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
 use crate::layers::TensorParallel;
 use crate::models::{variant_for, LlamaForCausalLM};
+use crate::sampler::argmax;
 use crate::sampler::{Sampler, SamplingRequest};
 use crate::tiny_model::{write_tiny_model, TinyModelSpec};
 use crate::weights::{HostTensor, Weights};
@@ -36,16 +37,6 @@ fn gpu_present() -> bool {
     );
     eprintln!("SKIPPED: no CUDA device");
     false
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// What one backend made of a batch of prompts.

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One GPU round for the CUDA backend, run on the GPU machine from the repository root:
 #
-#   scripts/gpu_round.sh [stage…]     stages: info kernels model serve parity parity32 bench
-#                                     (default: all but parity32)
+#   scripts/gpu_round.sh [stage…]     stages: info kernels model serve serve-quick parity
+#                                     parity32 bench offline-bench profile latency-8b
+#                                     kernel-bench
+#                                     (default: info kernels kernel-bench model serve parity bench)
 #
 # It runs prebuilt binaries from .gpu/ (built on the development machine, see
-# docs/CUDA_NOTES.md): vllm-rs, cuda_kernels, cuda_nvrtc, worker_tests, and the model
+# docs/CUDA_NOTES.md): vllm-rs, cuda_kernels, cuda_nvrtc, cuda_bench, worker_tests, and the model
 # configs in .gpu/models/<name>/config.json. Random model folders are generated here.
 # Each stage's full output goes to $LOG/<stage>.log (packed into $OUT/logs.tgz when $OUT
 # is set, as on the device machine); a short table is printed last.
@@ -20,7 +22,7 @@ export LD_LIBRARY_PATH=$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}
 export VLLM_REQUIRE_GPU=1
 export VLLM_RS_KERNEL_CACHE=${VLLM_RS_KERNEL_CACHE:-/tmp/vllm-rs-kernel-cache}
 export RUST_LOG=${RUST_LOG:-info}
-STAGES=${*:-info kernels model serve parity bench}
+STAGES=${*:-info kernels kernel-bench model serve parity bench}
 SUMMARY=()
 BIN=$G/vllm-rs
 MODELS=/tmp/vllm-rs-models
@@ -37,9 +39,9 @@ stage() {
     t1=$(date +%s.%N)
     SUMMARY+=("$(printf "%-18s rc=%-3s %6.1fs" "$name" "$rc" "$(awk "BEGIN{print $t1 - $t0}")")")
     echo "== $name (rc=$rc)"
-    grep -E "SKIPPED|test result|MODEL-CHECK|SAMPLER-CHECK|PARITY|BENCH|MATCH|DIFFER|differs|build\+save|error|Error|^\|" \
+    grep -a -E "SKIPPED|test result|STEP|MODEL-CHECK|SAMPLER-CHECK|PARITY|BENCH|MATCH|DIFFER|differs|build\+save|error|Error|^\|" \
         "$LOG/$name.log" | grep -v "^\s*$" | head -40
-    grep -A4 "panicked" "$LOG/$name.log" | head -30
+    grep -a -A4 "panicked" "$LOG/$name.log" | head -30
     return 0
 }
 
@@ -159,18 +161,48 @@ offline_bench() {
     make_model qwen3-0.6b "$m"
     for att in ${ATTENTION_BACKENDS:-flash cuda-core}; do
         echo "BENCH latency qwen3-0.6b --attention-backend $att (128 prompt, 256 output, batch 1):"
-        "$BIN" bench latency --model "$m" --device cuda --attention-backend "$att" --input-len 128 \
+        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench latency --model "$m" --device cuda --attention-backend "$att" --input-len 128 \
             --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
             2>"$LOG/bench-latency-$att.err" | sed 's/^/BENCH   /'
+        echo "BENCH   (rc=${PIPESTATUS[0]})"
         echo "BENCH throughput nanovllm-256 --attention-backend $att (bench throughput, in-process):"
-        "$BIN" bench throughput --model "$m" --device cuda --attention-backend "$att" \
+        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench throughput --model "$m" --device cuda --attention-backend "$att" \
             --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
             2>"$LOG/bench-throughput-$att.err" | sed 's/^/BENCH   /'
+        echo "BENCH   (rc=${PIPESTATUS[0]})"
+    done
+}
+
+# Where a throughput run's time goes: per-step phases, summed by scripts/step_profile.py.
+# (Nsight Compute is on the GPU machine but did not attach to the worker processes in
+# one try; `kernel-bench` times the kernels instead.)
+profile_stage() {
+    local m=$MODELS/qwen3-0.6b att=${ATTENTION_BACKENDS%% *}
+    att=${att:-flash}
+    make_model qwen3-0.6b "$m"
+    RUST_LOG=info,vllm_engine_core::step=debug,vllm_worker::step=debug \
+        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench throughput --model "$m" --device cuda \
+        --attention-backend "$att" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 \
+        --ignore-eos 2>"$LOG/profile-steps.err" | sed 's/^/BENCH   /'
+    python3 scripts/step_profile.py "$LOG/profile-steps.err" | sed "s/^/STEP /"
+}
+
+# Single-request decode latency of the Qwen3-8B shape, with random weights generated at
+# load (--load-format dummy: the folder holds only config.json and the tokenizer).
+latency_8b() {
+    local att
+    for att in ${ATTENTION_BACKENDS:-flash}; do
+        echo "BENCH latency qwen3-8b --attention-backend $att (128 prompt, 256 output, batch 1):"
+        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench latency --model "$G/models/Qwen3-8B" \
+            --load-format dummy --device cuda --attention-backend "$att" --input-len 128 \
+            --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
+            2>"$LOG/latency-8b-$att.err" | sed 's/^/BENCH   /'
+        echo "BENCH   (rc=${PIPESTATUS[0]})"
     done
 }
 
 export G LOG BIN MODELS
-export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench
+export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench profile_stage latency_8b
 
 for s in $STAGES; do
     case $s in
@@ -183,6 +215,9 @@ for s in $STAGES; do
     parity32) stage parity32 python3 scripts/hf_parity.py --dtype float32 --configs "$G/models" --test-bin "$G/worker_tests" --work /tmp/vllm-rs-parity32 --out "$LOG/parity32.md" ;;
     bench) stage bench bench_stage ;;
     offline-bench) stage offline-bench offline_bench "$MODELS/qwen3-0.6b" ;;
+    profile) stage profile profile_stage ;;
+    kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
+    latency-8b) stage latency-8b latency_8b ;;
     *) echo "unknown stage $s" ;;
     esac
 done

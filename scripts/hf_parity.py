@@ -11,7 +11,10 @@ and saves it as safetensors in bf16. Then:
   absolute difference;
 - greedy continuations of 64 tokens: identical for how many of the 16 prompts, and for
   each divergence, transformers' logit margin between its token and ours at that step
-  (a small margin means a near-tie, which bf16 rounding may legitimately flip).
+  (a small margin means a near-tie, which bf16 rounding may legitimately flip);
+- a control: transformers against itself, its default attention (sdpa) against its eager
+  attention, on the same greedy task. Two bf16 implementations of one model that differ
+  only in the attention's rounding show how often these weights' near-ties flip anyway.
 
 vllm-rs's side runs through the worker's test binary (`backend::cuda::tests::hf_parity_dump`,
 which drives the model through the CUDA backend with paged KV, chunked prefill and batched
@@ -120,6 +123,28 @@ def ours(test_bin, model_dir, prompts, work, dtype, attention):
     return flat, tokens
 
 
+# A divergence counts as a near-tie when transformers' own margin between its token and
+# ours is within this many bf16 steps at the logit's magnitude.
+NEAR_TIE_ULPS = 4
+
+
+def bf16_ulp(x):
+    """The spacing of bf16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (np.floor(np.log2(max(abs(x), 1e-30))) - 7)
+
+
+@torch.no_grad()
+def hf_eager_control(model, prompts, sdpa_tokens):
+    """Greedy continuations with transformers' eager attention: how many equal those of
+    its default (sdpa) attention."""
+    try:
+        model.set_attn_implementation("eager")
+    except AttributeError:
+        model.config._attn_implementation = "eager"
+    _, eager_tokens, _ = hf_side(model, prompts)
+    return sum(1 for a, b in zip(sdpa_tokens, eager_tokens) if a == b)
+
+
 def compare(name, config, prompts, hf_prefill, hf_tokens, hf_rows, our_flat, our_tokens):
     vocab = config.vocab_size
     ours_rows = our_flat.reshape(-1, vocab)
@@ -127,7 +152,7 @@ def compare(name, config, prompts, hf_prefill, hf_tokens, hf_rows, our_flat, our
     assert ours_rows.shape == hf_all.shape, (ours_rows.shape, hf_all.shape)
     d = np.abs(ours_rows - hf_all)
     top_agree = float(np.mean(np.argmax(ours_rows, 1) == np.argmax(hf_all, 1)))
-    identical, notes = 0, []
+    identical, notes, all_ties = 0, [], True
     for i, (a, b) in enumerate(zip(hf_tokens, our_tokens)):
         if a == b:
             identical += 1
@@ -135,7 +160,10 @@ def compare(name, config, prompts, hf_prefill, hf_tokens, hf_rows, our_flat, our
         k = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
         row = hf_rows[i][k]
         margin = float(row[a[k]] - row[b[k]])
-        notes.append(f"prompt {i}: first differs at token {k}, HF margin {margin:.4f}")
+        tie = margin <= NEAR_TIE_ULPS * bf16_ulp(float(row[a[k]]))
+        all_ties = all_ties and tie
+        notes.append(f"prompt {i}: first differs at token {k}, HF margin {margin:.4f}"
+                     f" ({margin / bf16_ulp(float(row[a[k]])):.1f} bf16 steps)")
     return {
         "model": name,
         "positions": int(hf_all.shape[0]),
@@ -144,6 +172,7 @@ def compare(name, config, prompts, hf_prefill, hf_tokens, hf_rows, our_flat, our
         "logit_std": float(hf_all.std()),
         "argmax_agree": top_agree,
         "identical": identical,
+        "near_ties": "yes" if all_ties else "no",
         "notes": notes,
     }
 
@@ -158,7 +187,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="compute dtype of both sides (weights are bf16 either way); "
                          "float32 checks the semantics without bf16 rounding noise")
-    ap.add_argument("--attention", default="cuda-core", choices=["cuda-core", "flash"],
+    ap.add_argument("--attention", default="flash", choices=["cuda-core", "flash"],
                     help="vllm-rs's attention kernels (--attention-backend)")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
@@ -174,6 +203,7 @@ def main():
         t1 = time.time()
         prompts = make_prompts(config.vocab_size, seed=99 + i)
         hf_prefill, hf_tokens, hf_rows = hf_side(model, prompts)
+        control = hf_eager_control(model, prompts, hf_tokens)
         del model
         torch.cuda.empty_cache()
         t2 = time.time()
@@ -183,22 +213,27 @@ def main():
         print(f"  {name}: build+save {t1 - t0:.0f}s, transformers {t2 - t1:.0f}s, "
               f"vllm-rs {time.time() - t2:.0f}s", flush=True)
         r = compare(name, config, prompts, hf_prefill, hf_tokens, hf_rows, our_flat, our_tokens)
+        r["hf_control"] = control
         results.append(r)
         print(f"PARITY {name} {args.dtype}: prefill logits over {r['positions']} positions: max|d| "
               f"{r['max_abs']:.4f} mean|d| {r['mean_abs']:.5f} (logit std {r['logit_std']:.2f}), "
               f"argmax agree {r['argmax_agree']:.4f}; greedy {NEW_TOKENS} tokens identical "
-              f"{r['identical']}/{NUM_PROMPTS} ({time.time() - t0:.0f}s)", flush=True)
+              f"{r['identical']}/{NUM_PROMPTS}, all divergences at near-ties: {r['near_ties']}; "
+              f"control: transformers sdpa vs eager identical {control}/{NUM_PROMPTS} "
+              f"({time.time() - t0:.0f}s)", flush=True)
         for n in r["notes"]:
             print(f"  {n}", flush=True)
     lines = [
         f"| model (random weights, {args.dtype}) | prefill positions | max abs diff | mean abs diff "
-        "| logit std | argmax agree | greedy 64 identical |",
-        "|---|---|---|---|---|---|---|",
+        "| logit std | argmax agree | greedy 64 identical | divergences at near-ties "
+        "| control: transformers sdpa vs eager, greedy 64 identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['model']} | {r['positions']} | {r['max_abs']:.4f} | {r['mean_abs']:.5f} "
-            f"| {r['logit_std']:.2f} | {r['argmax_agree']:.4f} | {r['identical']}/{NUM_PROMPTS} |"
+            f"| {r['logit_std']:.2f} | {r['argmax_agree']:.4f} | {r['identical']}/{NUM_PROMPTS} "
+            f"| {r['near_ties']} | {r['hf_control']}/{NUM_PROMPTS} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -136,6 +136,7 @@ impl EngineCore<'_> {
             if self.drain_inputs().await? == Flow::Shutdown {
                 return Ok(());
             }
+            let started = std::time::Instant::now();
             let mut so = self.scheduler.schedule();
             if so.is_empty() {
                 // Requests are unfinished yet none could be scheduled (for example the
@@ -146,9 +147,21 @@ impl EngineCore<'_> {
             }
             self.step_id += 1;
             so.step_id = self.step_id;
+            let scheduled = started.elapsed();
             let out = self.executor.execute_model(so.clone()).await?;
+            let executed = started.elapsed();
             let outputs = self.scheduler.update_from_output(&so, &out);
             self.push_outputs(outputs).await?;
+            tracing::debug!(
+                target: "vllm_engine_core::step",
+                step = so.step_id,
+                tokens = so.total_num_scheduled_tokens,
+                seqs = so.num_scheduled_tokens.len(),
+                schedule_us = scheduled.as_micros() as u64,
+                execute_us = (executed - scheduled).as_micros() as u64,
+                update_us = (started.elapsed() - executed).as_micros() as u64,
+                "engine step"
+            );
         }
     }
 

@@ -102,9 +102,9 @@ pub struct EngineArgs {
     /// weights with random values, which is mainly for profiling.
     #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
     pub load_format: LoadFormat,
-    /// CUDA attention kernels: cuda-core (the first kernel, for every token) or flash (a
-    /// bandwidth-tuned decode kernel and a tensor-core prefill kernel).
-    #[arg(long, default_value = "cuda-core", value_parser = AttentionBackend::NAMES)]
+    /// CUDA attention kernels: flash (a bandwidth-tuned decode kernel and a tensor-core
+    /// prefill kernel) or cuda-core (the first kernel, for every token).
+    #[arg(long, default_value = "flash", value_parser = AttentionBackend::NAMES)]
     pub attention_backend: String,
     /// Seed of the sampler for requests without their own seed.
     #[arg(long, default_value_t = 0)]

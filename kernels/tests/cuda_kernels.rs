@@ -7,12 +7,14 @@
 //! (cargo reports it as ignored where there is no GPU); `scripts/gpu_round.sh` runs them with
 //! `--ignored` and VLLM_REQUIRE_GPU set, so a missing device fails there instead of passing.
 
+mod common;
+
 use cudarc::driver::CudaSlice;
 use vllm_kernels::cpu;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
-    libs, AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps,
-    DType, Gemm, SampleRowEx, SamplingBatch,
+    AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
+    Gemm, SampleRowEx, SamplingBatch,
 };
 
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
@@ -22,17 +24,7 @@ struct Gpu {
 }
 
 fn gpu() -> Option<Gpu> {
-    if libs::device_count() == 0 {
-        assert!(
-            std::env::var_os("VLLM_REQUIRE_GPU").is_none(),
-            "VLLM_REQUIRE_GPU is set but no CUDA device is usable"
-        );
-        eprintln!("SKIPPED: no CUDA device");
-        return None;
-    }
-    Some(Gpu {
-        dev: CudaDevice::open(0).expect("open GPU 0"),
-    })
+    common::device().map(|dev| Gpu { dev })
 }
 
 /// A seeded generator of values in [-1, 1).
@@ -609,6 +601,9 @@ fn paged_attention_matches_cpu() {
             16,
         );
         attention_case(&c, &mut r, &[(77, 150), (0, 65)], 14, 2, 64, 16);
+        // A batch that fills the SMs several times: long single-partition decode blocks.
+        let wide: Vec<(usize, usize)> = (0..140).map(|i| ((i * 97) % 1300 + 600, 1)).collect();
+        attention_case(&c, &mut r, &wide, 8, 4, 64, 16);
         // A group of 16: decodes fall back to tiles.
         attention_case(&c, &mut r, &[(50, 1), (10, 30)], 16, 1, 64, 16);
     }
@@ -629,20 +624,8 @@ fn greedy_sampling_is_the_first_argmax() {
         x[2 * vocab + 5] = f32::NAN;
         x[2 * vocab + 77] = f32::INFINITY;
         // Plain greedy rows: no logits-processor entries, no logprobs.
-        let params = vec![
-            SampleRowEx {
-                repetition_penalty: 1.0,
-                logprobs: -1,
-                ..Default::default()
-            };
-            rows
-        ];
-        let batch = SamplingBatch {
-            rows: &params,
-            entries: &[],
-            biases: &[],
-            num_logprobs: 0,
-        };
+        let params = vec![SampleRowEx::plain(Default::default()); rows];
+        let batch = SamplingBatch::plain(&params);
         let got = c
             .ops
             .sample_tokens_ex(&c.upload(&x), vocab, &batch, true)

@@ -41,7 +41,7 @@ fn kernels_compile_for_sm90_in_every_dtype() {
 /// Kernels made by the `HEAD_DIM_KERNELS` macro and the newest entry points: their names
 /// must come out of the macro expansion as the launch wrappers look them up.
 fn expected_kernels(dtype: DType) -> Vec<String> {
-    let mut families = vec!["paged_attention", "paged_attention_decode"];
+    let mut families = vec!["paged_attention"];
     if dtype != DType::F32 {
         families.push("paged_attention_prefill");
     }
@@ -49,6 +49,9 @@ fn expected_kernels(dtype: DType) -> Vec<String> {
         .iter()
         .flat_map(|f| [16, 32, 64, 128].map(|d| format!("{f}_d{d}")))
         .collect();
+    for d in [16, 32, 64, 128] {
+        names.extend([1, 2, 4, 8].map(|g| format!("paged_attention_decode_d{d}_g{g}")));
+    }
     names.extend(
         [
             "paged_attention_combine",

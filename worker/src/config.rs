@@ -61,13 +61,14 @@ impl LoadFormat {
     }
 }
 
-/// The CUDA attention kernels (`--attention-backend`): the first, CUDA-core kernel for
-/// every token, or the decode kernel plus the tensor-core prefill ("flash").
+/// The CUDA attention kernels (`--attention-backend`): the decode kernel plus the
+/// tensor-core prefill ("flash", the default), or the first, CUDA-core kernel for every
+/// token.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AttentionBackend {
-    #[default]
     CudaCore,
+    #[default]
     Flash,
 }
 

@@ -452,12 +452,25 @@ impl ModelRunner<CudaBackend> {
             step_id: so.step_id,
             sampled: Vec::new(),
         };
+        let started = std::time::Instant::now();
         let Some((sampled_req_ids, logits)) = self.forward_step(so)? else {
             return Ok(output);
         };
+        // The forward pass is only enqueued here; sampling waits for it, so `sample_us`
+        // holds the GPU time the host did not hide.
+        let enqueued = started.elapsed();
         let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
         let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
         output.sampled = sampled_tokens(&sampled_req_ids, sampled);
+        tracing::debug!(
+            target: "vllm_worker::step",
+            step = so.step_id,
+            tokens = so.total_num_scheduled_tokens,
+            seqs = so.num_scheduled_tokens.len(),
+            enqueue_us = enqueued.as_micros() as u64,
+            sample_us = (started.elapsed() - enqueued).as_micros() as u64,
+            "worker step"
+        );
         Ok(output)
     }
 }

@@ -18,12 +18,17 @@ pub const PF_ROWS: usize = 64;
 pub const PF_THREADS: u32 = 128;
 /// Threads per decode block (`DEC_THREADS`).
 pub const DEC_THREADS: u32 = 128;
-/// Widest GQA group the decode kernel handles (`DEC_MAX_GROUP`).
+/// Widest GQA group the decode kernel handles (its `_g8` entry points).
 pub const DEC_MAX_GROUP: usize = 8;
 /// Warps of a decode block (`DEC_WARPS`).
 pub const DEC_WARPS: usize = 4;
-/// Keys per decode partition when the batch alone fills the GPU (vLLM's 512).
+/// Keys per decode partition, the starting point (vLLM's 512).
 pub const DEC_PARTITION: usize = 512;
+/// The longest decode partition: when the batch fills the GPU several times over, longer
+/// partitions save the partials and their combine.
+pub const DEC_MAX_PARTITION: usize = 2048;
+/// Dynamic shared memory a decode block may take without opting in to more.
+const DEC_MAX_SHARED: usize = 48 * 1024;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
@@ -74,6 +79,8 @@ pub struct AttentionPlan {
     pub split_keys: usize,
     /// Sequences with one query token, run by the decode kernel.
     pub decode_seqs: Vec<i32>,
+    /// The GQA group rounded up to a power of two: which decode kernel runs.
+    pub decode_group: usize,
     /// Keys per decode partition, and partitions of the longest decode sequence.
     pub decode_partition: usize,
     pub decode_partitions: usize,
@@ -123,6 +130,7 @@ impl AttentionPlan {
             num_splits: 1,
             split_keys: i32::MAX as usize,
             decode_seqs: Vec::new(),
+            decode_group: group.next_power_of_two(),
             decode_partition: DEC_PARTITION,
             decode_partitions: 0,
         };
@@ -157,14 +165,25 @@ impl AttentionPlan {
                 cuda_core_splits(plan.num_tiles() * num_kv_heads, max_tile_keys, num_sms);
         }
         if !plan.decode_seqs.is_empty() {
-            // Halve the partition while the blocks would leave SMs idle (few, long decodes).
             let blocks = plan.decode_seqs.len() * num_kv_heads;
             let mut partition = DEC_PARTITION;
+            // Halve the partition while the blocks would leave SMs idle (few, long decodes).
             while partition > 64
                 && blocks * max_decode_keys.div_ceil(partition) < 2 * num_sms
                 && max_decode_keys > partition
             {
                 partition /= 2;
+            }
+            // Double it while the batch alone fills every SM several times (the largest
+            // head size bounds the shared memory).
+            let max_head_dim = HEAD_DIMS[HEAD_DIMS.len() - 1];
+            while blocks >= 4 * num_sms
+                && max_decode_keys > partition
+                && partition < DEC_MAX_PARTITION
+                && decode_shared_bytes(2 * partition, plan.decode_group, max_head_dim)
+                    <= DEC_MAX_SHARED
+            {
+                partition *= 2;
             }
             plan.decode_partition = partition;
             plan.decode_partitions = max_decode_keys.div_ceil(partition).max(1);
@@ -172,10 +191,20 @@ impl AttentionPlan {
         Ok(plan)
     }
 
-    /// Dynamic shared memory of a decode block (scores and the cross-warp reduction).
+    /// Dynamic shared memory of a decode block: the keys' cache offsets, the scores and
+    /// the cross-warp reduction.
     pub fn decode_shared_bytes(&self, head_dim: usize) -> usize {
-        (DEC_MAX_GROUP * self.decode_partition + DEC_WARPS * DEC_MAX_GROUP * head_dim) * 4
+        decode_shared_bytes(self.decode_partition, self.decode_group, head_dim)
     }
+
+    /// Index of the decode kernel for `decode_group` (1, 2, 4, 8 → 0..3).
+    pub fn decode_group_index(&self) -> usize {
+        self.decode_group.trailing_zeros() as usize
+    }
+}
+
+fn decode_shared_bytes(partition: usize, group: usize, head_dim: usize) -> usize {
+    partition * 8 + (group * partition + DEC_WARPS * group * head_dim) * 4
 }
 
 /// Splits of the CUDA-core kernel: used when the tiles times the kv heads leave the SMs
@@ -233,10 +262,33 @@ mod tests {
         assert_eq!(p.decode_seqs, vec![0]);
         assert!(p.decode_partition < DEC_PARTITION);
         assert_eq!(p.decode_partitions, 8000usize.div_ceil(p.decode_partition));
-        // A full batch keeps vLLM's 512.
+        // A batch that fills every SM several times runs each sequence in one block.
         let qsl: Vec<i32> = (0..=256).collect();
         let p = AttentionPlan::new(&qsl, &[900; 256], 16, 8, 132, FLASH).unwrap();
+        assert_eq!((p.decode_partition, p.decode_partitions), (1024, 1));
+        // ... up to DEC_MAX_PARTITION keys.
+        let p = AttentionPlan::new(&qsl, &[9000; 256], 16, 8, 132, FLASH).unwrap();
+        assert_eq!(p.decode_partition, DEC_MAX_PARTITION);
+        // A batch that fills the SMs only about once keeps vLLM's 512.
+        let qsl: Vec<i32> = (0..=40).collect();
+        let p = AttentionPlan::new(&qsl, &[900; 40], 16, 8, 132, FLASH).unwrap();
         assert_eq!((p.decode_partition, p.decode_partitions), (512, 2));
+    }
+
+    #[test]
+    fn decode_kernels_are_picked_by_padded_group_within_shared_memory() {
+        let qsl: Vec<i32> = (0..=256).collect();
+        for (hq, hkv, group) in [(16, 16, 1), (16, 8, 2), (14, 2, 8), (32, 8, 4), (32, 4, 8)] {
+            let p = AttentionPlan::new(&qsl, &[9000; 256], hq, hkv, 132, FLASH).unwrap();
+            assert_eq!(p.decode_group, group, "{hq}/{hkv}");
+            assert_eq!(1 << p.decode_group_index(), group);
+            for d in HEAD_DIMS {
+                assert!(
+                    p.decode_shared_bytes(d) <= DEC_MAX_SHARED,
+                    "{hq}/{hkv} d {d}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -32,7 +32,8 @@ pub struct Functions {
     pub paged_attention_d128: CudaFunction,
     pub paged_attention_combine: CudaFunction,
     /// The decode kernel by head size (16, 32, 64, 128).
-    pub paged_attention_decode: [CudaFunction; 4],
+    /// Indexed by head size, then GQA group (1, 2, 4, 8).
+    pub paged_attention_decode: [[CudaFunction; 4]; 4],
     pub paged_attention_decode_combine: CudaFunction,
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
     pub paged_attention_prefill: Option<[CudaFunction; 4]>,
@@ -100,6 +101,14 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
             .map_err(|e| driver_error(&format!("looking up kernel {name}"), e))
             .context("the kernel cache may be stale: delete it (see VLLM_RS_KERNEL_CACHE)")
     };
+    let decode_kernels = |d: usize| -> Result<[CudaFunction; 4]> {
+        Ok([
+            f(&format!("paged_attention_decode_d{d}_g1"))?,
+            f(&format!("paged_attention_decode_d{d}_g2"))?,
+            f(&format!("paged_attention_decode_d{d}_g4"))?,
+            f(&format!("paged_attention_decode_d{d}_g8"))?,
+        ])
+    };
     let functions = Functions {
         embedding: f("embedding")?,
         rms_norm: f("rms_norm")?,
@@ -119,10 +128,10 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
         paged_attention_d128: f("paged_attention_d128")?,
         paged_attention_combine: f("paged_attention_combine")?,
         paged_attention_decode: [
-            f("paged_attention_decode_d16")?,
-            f("paged_attention_decode_d32")?,
-            f("paged_attention_decode_d64")?,
-            f("paged_attention_decode_d128")?,
+            decode_kernels(16)?,
+            decode_kernels(32)?,
+            decode_kernels(64)?,
+            decode_kernels(128)?,
         ],
         paged_attention_decode_combine: f("paged_attention_decode_combine")?,
         paged_attention_prefill: match dtype {

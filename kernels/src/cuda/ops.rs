@@ -655,7 +655,7 @@ impl CudaOps {
             };
             let mut b = self
                 .stream
-                .launch_builder(&self.f.paged_attention_decode[d_index]);
+                .launch_builder(&self.f.paged_attention_decode[d_index][plan.decode_group_index()]);
             b.arg(&args);
             // SAFETY: buffer sizes checked by `paged_attention`; block tables and seq_lens
             // are checked on the host by the caller, which holds their host copies.

@@ -70,6 +70,18 @@ pub struct SampleRowEx {
 // SAFETY: repr(C) plain data, the layout of the CUDA struct.
 unsafe impl DeviceRepr for SampleRowEx {}
 
+impl SampleRowEx {
+    /// `base`'s sampling with no logits processors and no logprobs.
+    pub fn plain(base: SampleRow) -> Self {
+        Self {
+            base,
+            repetition_penalty: 1.0,
+            logprobs: -1,
+            ..Default::default()
+        }
+    }
+}
+
 /// Raw logprobs of one row (`TokenLogprobsOut` in sampling.cu).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -107,6 +119,18 @@ pub struct SamplingBatch<'a> {
     pub biases: &'a [f32],
     /// Rows with logprobs; their `logprobs_slot`s are 0..num_logprobs, each once.
     pub num_logprobs: usize,
+}
+
+impl<'a> SamplingBatch<'a> {
+    /// Rows without logits-processor entries or logprobs.
+    pub fn plain(rows: &'a [SampleRowEx]) -> Self {
+        Self {
+            rows,
+            entries: &[],
+            biases: &[],
+            num_logprobs: 0,
+        }
+    }
 }
 
 /// What comes back: a token per row, and the logprobs of each slot.

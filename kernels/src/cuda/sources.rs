@@ -42,7 +42,7 @@ mod tests {
             assert!(tu.contains(&format!("\"{name}\"")));
         }
         assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention,"));
-        assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention_decode,"));
+        assert!(tu.contains("DECODE_KERNELS(128)"));
         assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention_prefill,"));
     }
 }

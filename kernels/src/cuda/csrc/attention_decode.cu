@@ -5,14 +5,18 @@
 // Grid: (decode sequence, kv head, partition). A block reads its partition of the
 // sequence's keys once for all the q heads of its GQA group: pass 1 computes the scores
 // into shared memory (each key is handled by a group of D/8 lanes, 16 bytes per lane),
-// pass 2 takes the softmax, pass 3 accumulates V. Loads are unrolled DEC_UNROLL keys deep
-// so that enough bytes are in flight to saturate HBM. With several partitions, each writes
+// pass 2 takes the softmax, pass 3 accumulates V. With several partitions, each writes
 // an unnormalised partial (o, m, l) that `paged_attention_decode_combine` merges.
+//
+// One entry point per (head size, GP): GP is the GQA group rounded up to a power of two,
+// so per-thread arrays hold only the group's heads. Registers decide how many blocks an
+// SM holds, and with them how many bytes are in flight: a kernel sized for the widest
+// group, which also read the block table before every K and V load, ran Qwen3-0.6B's
+// group of 2 at 1.2 TB/s; this one reaches 2.6 TB/s (docs/BENCHMARKS.md).
 
 #define DEC_THREADS 128
 #define DEC_WARPS (DEC_THREADS / 32)
-#define DEC_UNROLL 4
-#define DEC_MAX_GROUP 8
+#define DEC_UNROLL 4  // keys in flight per lane
 
 struct DecodeArgs {
     const scalar_t* q;          // [T, Hq, D]
@@ -52,15 +56,18 @@ __device__ __forceinline__ void load8(const scalar_t* p, float* out) {
 #endif
 }
 
-template <int D>
+template <int D, int GP>
 __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     constexpr int TG = D / 8;               // lanes per key
     constexpr int NG = DEC_THREADS / TG;    // keys per block per step
-    extern __shared__ float dec_smem[];
-    float* scores = dec_smem;                               // [G][partition]
-    float* red = dec_smem + DEC_MAX_GROUP * a.partition;    // [DEC_WARPS][G][D]
-    __shared__ float s_max[DEC_WARPS][DEC_MAX_GROUP];
-    __shared__ float s_sum[DEC_WARPS][DEC_MAX_GROUP];
+    extern __shared__ long long dec_smem[];
+    // The cache offset of every key of the partition, looked up once: without it each K
+    // and V load waits first for its block-table read.
+    long long* slots = dec_smem;                                       // [partition]
+    float* scores = reinterpret_cast<float*>(dec_smem + a.partition);  // [GP][partition]
+    float* red = scores + GP * a.partition;                            // [DEC_WARPS][GP][D]
+    __shared__ float s_max[DEC_WARPS][GP];
+    __shared__ float s_sum[DEC_WARPS][GP];
 
     const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -83,9 +90,9 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         return;
     }
 
-    float q[DEC_MAX_GROUP][8];
+    float q[GP][8];
 #pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+    for (int h = 0; h < GP; ++h) {
         if (h < g) {
             load8(a.q + (q_row0 + h) * D + sub * 8, q[h]);
 #pragma unroll
@@ -97,21 +104,25 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     }
     const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
     const long long kv_row = (long long)a.num_kv_heads * D;
-    const long long kv_off = (long long)kvh * D + sub * 8;
+    for (int k = k_begin + tid; k < k_end; k += DEC_THREADS)
+        slots[k - k_begin] = cache_slot(table, k, a.block_size) * kv_row + (long long)kvh * D;
+    __syncthreads();
+    // This lane's 8 columns of a key row.
+    const scalar_t* k_lane = a.key_cache + sub * 8;
+    const scalar_t* v_lane = a.value_cache + sub * 8;
 
     // Pass 1: scores. Every lane runs the same number of steps (shuffles need the whole
     // warp); keys past the end are loaded as zeros and not stored.
-    float m[DEC_MAX_GROUP];
+    float m[GP];
 #pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h) m[h] = NEG_INF;
+    for (int h = 0; h < GP; ++h) m[h] = NEG_INF;
     for (int base = k_begin; base < k_end; base += NG * DEC_UNROLL) {
         float kf[DEC_UNROLL][8];
 #pragma unroll
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
             if (k < k_end) {
-                const long long slot = cache_slot(table, k, a.block_size);
-                load8(a.key_cache + slot * kv_row + kv_off, kf[u]);
+                load8(k_lane + slots[k - k_begin], kf[u]);
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) kf[u][e] = 0.f;
@@ -121,7 +132,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
 #pragma unroll
-            for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+            for (int h = 0; h < GP; ++h) {
                 if (h >= g) break;
                 float dot = 0.f;
 #pragma unroll
@@ -138,16 +149,16 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
 
     // Pass 2: the block's max and the exponentials.
 #pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+    for (int h = 0; h < GP; ++h) {
         if (h >= g) break;
         const float wm = warp_max(m[h]);
         if (lane == 0) s_max[warp][h] = wm;
     }
     __syncthreads();  // also publishes the scores
     const int n_keys = k_end - k_begin;
-    float l_part[DEC_MAX_GROUP];
+    float l_part[GP];
 #pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+    for (int h = 0; h < GP; ++h) {
         if (h >= g) break;
         float mh = s_max[0][h];
 #pragma unroll
@@ -165,9 +176,9 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     __syncthreads();  // publishes the probabilities and the partial sums
 
     // Pass 3: o = Σ p · v, each lane owning 8 columns of its key group.
-    float acc[DEC_MAX_GROUP][8];
+    float acc[GP][8];
 #pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h)
+    for (int h = 0; h < GP; ++h)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
     for (int base = k_begin; base < k_end; base += NG * DEC_UNROLL) {
@@ -176,8 +187,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
             if (k < k_end) {
-                const long long slot = cache_slot(table, k, a.block_size);
-                load8(a.value_cache + slot * kv_row + kv_off, vf[u]);
+                load8(v_lane + slots[k - k_begin], vf[u]);
             }
         }
 #pragma unroll
@@ -185,7 +195,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
             const int k = base + grp + NG * u;
             if (k >= k_end) continue;
 #pragma unroll
-            for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+            for (int h = 0; h < GP; ++h) {
                 if (h >= g) break;
                 const float p = scores[h * a.partition + (k - k_begin)];
 #pragma unroll
@@ -196,7 +206,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     // Sum the key groups: first inside the warp (lanes with the same `sub`), then across
     // warps through shared memory.
 #pragma unroll
-    for (int h = 0; h < DEC_MAX_GROUP; ++h) {
+    for (int h = 0; h < GP; ++h) {
         if (h >= g) break;
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
@@ -205,7 +215,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         }
         if (lane < TG) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) red[(warp * DEC_MAX_GROUP + h) * D + sub * 8 + e] = acc[h][e];
+            for (int e = 0; e < 8; ++e) red[(warp * GP + h) * D + sub * 8 + e] = acc[h][e];
         }
     }
     __syncthreads();
@@ -214,7 +224,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         float o = 0.f, l = 0.f;
 #pragma unroll
         for (int w = 0; w < DEC_WARPS; ++w) {
-            o += red[(w * DEC_MAX_GROUP + h) * D + d];
+            o += red[(w * GP + h) * D + d];
             l += s_sum[w][h];
         }
         if (gridDim.z == 1) {
@@ -229,7 +239,17 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     }
 }
 
-HEAD_DIM_KERNELS(paged_attention_decode, paged_attention_decode_impl, DEC_THREADS, DecodeArgs)
+#define DECODE_KERNEL(D, GP)                                                              \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS)                             \
+        paged_attention_decode_d##D##_g##GP(DecodeArgs a) {                               \
+        paged_attention_decode_impl<D, GP>(a);                                            \
+    }
+#define DECODE_KERNELS(D) \
+    DECODE_KERNEL(D, 1) DECODE_KERNEL(D, 2) DECODE_KERNEL(D, 4) DECODE_KERNEL(D, 8)
+DECODE_KERNELS(16)
+DECODE_KERNELS(32)
+DECODE_KERNELS(64)
+DECODE_KERNELS(128)
 
 // Merges the partitions of every (decode sequence, q head) into the token's output row:
 // one block of head_dim threads per row.

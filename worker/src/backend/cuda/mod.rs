@@ -62,12 +62,12 @@ impl CudaBackend {
             ops,
             gemm,
             dtype,
-            attention: AttentionKernels::CUDA_CORE,
+            attention: AttentionKernels::flash(dtype != DType::F32),
             unseeded_draws: Cell::new(0),
         })
     }
 
-    /// Runs attention with `kernels` instead of the CUDA-core default.
+    /// Runs attention with `kernels` instead of the flash default.
     pub fn with_attention_kernels(mut self, kernels: AttentionKernels) -> Self {
         self.attention = kernels;
         self

@@ -1,0 +1,193 @@
+//! Kernel benchmarks at the shapes of a batch-256 decode step of Qwen3-0.6B (the
+//! nanovllm-256 throughput run), each printed as a `BENCH` line with its time and its
+//! bytes over that time, so a step's cost can be split by kernel:
+//!
+//!   cuda_bench --ignored --nocapture        (scripts/gpu_round.sh kernel-bench)
+//!
+//! Ignored like every GPU test (nothing to measure without a GPU); the numbers are
+//! figures, not assertions.
+
+mod common;
+
+use std::time::Instant;
+
+use cudarc::driver::CudaSlice;
+use vllm_kernels::cuda::{
+    AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
+    Gemm, SampleRow, SampleRowEx, SamplingBatch,
+};
+
+const SEQS: usize = 256;
+const CONTEXT: usize = 600;
+const HIDDEN: usize = 1024;
+const HQ: usize = 16;
+const HKV: usize = 8;
+const D: usize = 128;
+const BS: usize = 16;
+const VOCAB: usize = 151_936;
+const LAYERS: usize = 28;
+
+/// Mean seconds of `f` over `iters` runs after `iters / 4 + 1` warm-up runs.
+fn time(dev: &CudaDevice, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..iters / 4 + 1 {
+        f();
+    }
+    dev.synchronize().expect("sync");
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    dev.synchronize().expect("sync");
+    t.elapsed().as_secs_f64() / iters as f64
+}
+
+fn report(what: &str, seconds: f64, bytes: f64) {
+    println!(
+        "BENCH kernel {what:<52} {:>9.1} us {:>7.0} GB/s",
+        seconds * 1e6,
+        bytes / seconds / 1e9
+    );
+}
+
+/// Random bf16 data (values in [-1, 1)), so no kernel runs on zeros.
+fn random(dev: &CudaDevice, n: usize, seed: u64) -> CudaSlice<u8> {
+    let mut s = seed;
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    dev.stream
+        .clone_htod(&DType::BF16.encode(&v))
+        .expect("upload")
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
+fn decode_step_kernels() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    attention(&dev, &ops);
+    sampling(&dev, &ops);
+    gemms(&dev);
+}
+
+fn attention(dev: &CudaDevice, ops: &CudaOps) {
+    let blocks_per_seq = (CONTEXT + 1).div_ceil(BS);
+    let num_blocks = SEQS * blocks_per_seq;
+    // Blocks of a sequence spread over the cache, as after many allocations.
+    let block_tables: Vec<i32> = (0..SEQS * blocks_per_seq)
+        .map(|i| ((i * 7919) % num_blocks) as i32)
+        .collect();
+    let kv = num_blocks * BS * HKV * D;
+    let key_cache = random(dev, kv, 1);
+    let value_cache = random(dev, kv, 2);
+    let q = random(dev, SEQS * HQ * D, 3);
+    let seq_lens = vec![(CONTEXT + 1) as i32; SEQS];
+    let qsl: Vec<i32> = (0..=SEQS as i32).collect();
+    let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
+    let (bt, sl, ql) = (ints(&block_tables), ints(&seq_lens), ints(&qsl));
+    let bytes = (SEQS * (CONTEXT + 1) * HKV * D * 2 * 2) as f64;
+    for (name, kernels) in [
+        ("cuda-core", AttentionKernels::CUDA_CORE),
+        ("flash", AttentionKernels::flash(true)),
+    ] {
+        let plan = AttentionPlan::new(&qsl, &seq_lens, HQ, HKV, ops.num_sms, kernels).unwrap();
+        let (ts, tt, ds) = (
+            ints(&plan.tile_seq),
+            ints(&plan.tile_token),
+            ints(&plan.decode_seqs),
+        );
+        let meta = AttentionMeta {
+            block_tables: &bt,
+            max_blocks_per_seq: blocks_per_seq,
+            seq_lens: &sl,
+            query_start_loc: &ql,
+            tile_seq: &ts,
+            tile_token: &tt,
+            decode_seqs: &ds,
+            plan: &plan,
+        };
+        let dims = AttentionDims {
+            num_tokens: SEQS,
+            num_q_heads: HQ,
+            num_kv_heads: HKV,
+            head_dim: D,
+            block_size: BS,
+        };
+        let mut out = ops.alloc(SEQS * HQ * D).unwrap();
+        let s = time(dev, 20, || {
+            ops.paged_attention(&q, &key_cache, &value_cache, &meta, dims, 0.088, &mut out)
+                .unwrap()
+        });
+        let what = format!(
+            "attention {name} decode {SEQS}x{} (partitions {})",
+            CONTEXT + 1,
+            plan.decode_partitions
+        );
+        report(&what, s, bytes);
+        report("  x 28 layers", s * LAYERS as f64, bytes * LAYERS as f64);
+    }
+}
+
+fn sampling(dev: &CudaDevice, ops: &CudaOps) {
+    let logits = random(dev, SEQS * VOCAB, 4);
+    let bytes = (SEQS * VOCAB * 2) as f64;
+    for (name, temperature) in [("greedy", 0.0), ("temperature 0.6", 0.6)] {
+        let row = SampleRowEx::plain(SampleRow {
+            temperature,
+            top_k: -1,
+            top_p: 1.0,
+            min_p: 0.0,
+            uniform: 0.37,
+            ..Default::default()
+        });
+        let rows = vec![row; SEQS];
+        let batch = SamplingBatch::plain(&rows);
+        let s = time(dev, 10, || {
+            ops.sample_tokens_ex(&logits, VOCAB, &batch, false).unwrap();
+        });
+        report(&format!("sample_tokens_ex {name} {SEQS}x{VOCAB}"), s, bytes);
+    }
+}
+
+fn gemms(dev: &CudaDevice) {
+    let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+    let ops = CudaOps::new(dev, DType::BF16).expect("build kernels");
+    let mut per_layer = 0.0;
+    let mut per_layer_bytes = 0.0;
+    for (name, k, n, count) in [
+        ("qkv_proj", HIDDEN, (HQ + 2 * HKV) * D, LAYERS),
+        ("o_proj", HQ * D, HIDDEN, LAYERS),
+        ("gate_up_proj", HIDDEN, 2 * 3072, LAYERS),
+        ("down_proj", 3072, HIDDEN, LAYERS),
+        ("lm_head", HIDDEN, VOCAB, 1),
+    ] {
+        let x = random(dev, SEQS * k, 5);
+        let w = random(dev, n * k, 6);
+        let mut out = ops.alloc(SEQS * n).unwrap();
+        let s = time(dev, 20, || {
+            gemm.linear(&x, &w, &mut out, SEQS, k, n).unwrap()
+        });
+        let bytes = ((n * k + SEQS * k + SEQS * n) * 2) as f64;
+        let flops = 2.0 * (SEQS * k * n) as f64;
+        report(&format!("gemm {name} [{SEQS}x{k}]x[{n}x{k}]T"), s, bytes);
+        println!(
+            "BENCH kernel   {:.0} TFLOP/s; x {count}: {:.1} us",
+            flops / s / 1e12,
+            s * count as f64 * 1e6
+        );
+        if count == LAYERS {
+            per_layer += s;
+            per_layer_bytes += bytes;
+        }
+    }
+    report(
+        "gemms of 28 layers",
+        per_layer * LAYERS as f64,
+        per_layer_bytes * LAYERS as f64,
+    );
+}

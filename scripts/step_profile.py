@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Where the time of a run goes, step by step.
+
+Reads logs written with RUST_LOG=vllm_engine_core::step=debug,vllm_worker::step=debug
+(the "engine step" and "worker step" lines) and prints, for decode-only steps and for
+steps with prefill tokens, how many there were and the mean of each phase:
+
+  engine: schedule_us (Scheduler::schedule), execute_us (SchedulerOutput sent → rank 0's
+          output back: IPC plus the worker), update_us (update_from_output + outputs)
+  worker: enqueue_us (inputs built and the forward pass enqueued), sample_us (the wait
+          for the GPU plus sampling and the token read-back)
+
+usage: scripts/step_profile.py LOG...
+"""
+import re
+import sys
+from collections import defaultdict
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+FIELD = re.compile(r"(\w+)=(\d+)")
+
+
+def steps(paths, message):
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                line = ANSI.sub("", line)
+                if message in line:
+                    yield {k: int(v) for k, v in FIELD.findall(line)}
+
+
+def kind(s):
+    return "decode" if s.get("tokens") == s.get("seqs") else "prefill/mixed"
+
+
+def table(paths, message, phases):
+    groups = defaultdict(list)
+    for s in steps(paths, message):
+        groups[kind(s)].append(s)
+    if not groups:
+        print(f"no '{message}' lines (RUST_LOG must enable the step targets at debug)")
+        return
+    print(f"{message}:")
+    print(f"  {'kind':<14} {'steps':>6} {'tokens/step':>12} " +
+          " ".join(f"{p:>12}" for p in phases) + f" {'total s':>9}")
+    for k, rows in sorted(groups.items()):
+        n = len(rows)
+        tok = sum(r.get("tokens", 0) for r in rows) / n
+        means = [sum(r.get(p, 0) for r in rows) / n for p in phases]
+        total = sum(sum(r.get(p, 0) for p in phases) for r in rows) / 1e6
+        print(f"  {k:<14} {n:>6} {tok:>12.1f} " +
+              " ".join(f"{m:>12.0f}" for m in means) + f" {total:>9.2f}")
+
+
+def main():
+    paths = sys.argv[1:]
+    if not paths:
+        sys.exit(__doc__)
+    table(paths, "engine step", ["schedule_us", "execute_us", "update_us"])
+    table(paths, "worker step", ["enqueue_us", "sample_us"])
+
+
+if __name__ == "__main__":
+    main()

@@ -3,18 +3,11 @@
 
 mod common;
 
-use common::{tiny_model, Server};
+use common::{post_json, sse_events, tiny_model, Server};
 use serde_json::{json, Value};
 
 async fn post(server: &Server, body: Value) -> (u16, Value) {
-    let resp = reqwest::Client::new()
-        .post(server.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("send");
-    let status = resp.status().as_u16();
-    (status, resp.json().await.unwrap_or(Value::Null))
+    post_json(server, "/v1/chat/completions", &body).await
 }
 
 /// The `data:` payloads of an SSE response, in order; the last one must be `[DONE]`.
@@ -27,16 +20,13 @@ async fn post_stream(server: &Server, body: Value) -> Vec<Value> {
         .expect("send");
     assert_eq!(resp.status().as_u16(), 200);
     let text = resp.text().await.expect("body");
-    let data: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
+    let data = sse_events(&text);
     assert_eq!(
-        data.last(),
-        Some(&"[DONE]"),
+        data.last().map(String::as_str),
+        Some("[DONE]"),
         "stream must end with [DONE]:\n{text}"
     );
-    assert_eq!(data.iter().filter(|d| **d == "[DONE]").count(), 1, "{text}");
+    assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1, "{text}");
     data[..data.len() - 1]
         .iter()
         .map(|d| serde_json::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))

@@ -86,7 +86,7 @@ impl ModelRunner<CpuBackend> {
                 }
                 Self::with_backend(CpuBackend::new(cfg.world_size)?, cfg)
             }
-            other => bail!("device \"{other}\" is not supported by this build (supported: cpu)"),
+            other => bail!("device \"{other}\" is not supported (supported: cpu, cuda)"),
         }
     }
 }
@@ -298,13 +298,6 @@ impl DeviceRunner {
         match cfg.device.as_str() {
             "cuda" => Ok(Self::Cuda(Box::new(ModelRunner::load_cuda(cfg)?))),
             _ => Ok(Self::Cpu(Box::new(ModelRunner::load(cfg)?))),
-        }
-    }
-
-    pub fn model_config(&self) -> &ModelConfig {
-        match self {
-            Self::Cpu(r) => r.model_config(),
-            Self::Cuda(r) => r.model_config(),
         }
     }
 

@@ -8,14 +8,13 @@ use std::sync::{Arc, Mutex};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use futures::stream::{self, BoxStream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use vllm_protocol::TokenLogprobs;
 
-use super::choices::{self, created, engine_error, random_id, Choice, FinishedChoice};
+use super::choices::{self, created, engine_error, random_id, usage, Choice, FinishedChoice};
 use super::request_fields::{parse_body, SamplingFields};
 use super::{ApiError, AppState};
 use crate::chat_template::{normalize_messages, RenderOptions};
@@ -78,17 +77,7 @@ struct Reply {
 }
 
 pub async fn create_chat_completion(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let (reply, choices, stream) = match start(&state, &body) {
-        Ok(started) => started,
-        Err(e) => return e.into_response(),
-    };
-    if stream {
-        return stream_response(reply, choices).into_response();
-    }
-    match choices::finish_all(choices).await {
-        Ok(done) => Json(reply.body(&done)).into_response(),
-        Err(e) => e.into_response(),
-    }
+    choices::respond(start(&state, &body), stream_response, Reply::body).await
 }
 
 fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), ApiError> {
@@ -167,7 +156,10 @@ fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), Ap
 
 impl Reply {
     fn body(&self, done: &[FinishedChoice]) -> Value {
-        let prompt_tokens = choices::prompt_tokens(done, self.n);
+        let prompt_tokens = choices::prompt_tokens(
+            done.iter().map(|c| (c.index, c.prompt_token_ids.len())),
+            self.n,
+        );
         let completion_tokens: usize = done.iter().map(|c| c.token_ids.len()).sum();
         let choices: Vec<Value> = done
             .iter()
@@ -201,10 +193,6 @@ impl Reply {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
-}
-
 /// The chat API's logprobs: `{"content": [{token, logprob, bytes, top_logprobs}]}`. As in
 /// vLLM, each entry's `top_logprobs` starts with the sampled token itself, followed by the
 /// most likely others, `top` entries in all.
@@ -234,11 +222,10 @@ fn stream_response(
     reply: Reply,
     choices: Vec<Choice>,
 ) -> Sse<BoxStream<'static, Result<Event, std::convert::Infallible>>> {
-    let prompt_tokens: usize = choices
-        .iter()
-        .filter(|c| c.index % reply.n.max(1) == 0)
-        .map(|c| c.prompt_token_ids.len())
-        .sum();
+    let prompt_tokens = choices::prompt_tokens(
+        choices.iter().map(|c| (c.index, c.prompt_token_ids.len())),
+        reply.n,
+    );
     let completion_tokens = Arc::new(Mutex::new(0usize));
     let counted = completion_tokens.clone();
     let reply = Arc::new(reply);

@@ -3,7 +3,10 @@
 //! completions and chat: starting the choices, running them to the end, or merging their
 //! streams for SSE.
 
+use axum::response::{IntoResponse, Response};
+use axum::Json;
 use futures::stream::{self, BoxStream, StreamExt};
+use serde_json::{json, Value};
 use vllm_protocol::{FinishReason, TokenLogprobs};
 
 use super::request_fields::{resolve_max_tokens, SamplingFields};
@@ -114,12 +117,37 @@ pub async fn finish_all(choices: Vec<Choice>) -> Result<Vec<FinishedChoice>, Api
 }
 
 /// Prompt tokens of the request: each prompt counted once, however many samples it has.
-pub fn prompt_tokens(choices: &[FinishedChoice], n: usize) -> usize {
+pub fn prompt_tokens(choices: impl IntoIterator<Item = (usize, usize)>, n: usize) -> usize {
     choices
-        .iter()
-        .filter(|c| c.index % n.max(1) == 0)
-        .map(|c| c.prompt_token_ids.len())
+        .into_iter()
+        .filter(|(index, _)| index % n.max(1) == 0)
+        .map(|(_, prompt_len)| prompt_len)
         .sum()
+}
+
+/// The `usage` object of a response or of the last stream chunk.
+pub fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+}
+
+/// The end both handlers share: the started choices streamed as SSE, or run to their end
+/// and answered as one JSON body.
+pub async fn respond<R, S: IntoResponse>(
+    started: Result<(R, Vec<Choice>, bool), ApiError>,
+    stream_response: impl FnOnce(R, Vec<Choice>) -> S,
+    body: impl FnOnce(&R, &[FinishedChoice]) -> Value,
+) -> Response {
+    let (reply, choices, stream) = match started {
+        Ok(started) => started,
+        Err(e) => return e.into_response(),
+    };
+    if stream {
+        return stream_response(reply, choices).into_response();
+    }
+    match finish_all(choices).await {
+        Ok(done) => Json(body(&reply, &done)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// Every choice's outputs as one stream of (choice index, output), in arrival order.

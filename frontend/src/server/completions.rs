@@ -7,14 +7,13 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use futures::stream::{self, BoxStream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use vllm_protocol::TokenLogprobs;
 
-use super::choices::{self, created, engine_error, random_id, Choice, FinishedChoice};
+use super::choices::{self, created, engine_error, random_id, usage, Choice, FinishedChoice};
 use super::request_fields::{parse_body, SamplingFields};
 use super::{ApiError, AppState};
 use crate::tokenizer::Tokenizer;
@@ -84,17 +83,7 @@ struct Reply {
 }
 
 pub async fn create_completion(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let (reply, choices, stream) = match start(&state, &body) {
-        Ok(started) => started,
-        Err(e) => return e.into_response(),
-    };
-    if stream {
-        return stream_response(reply, choices).into_response();
-    }
-    match choices::finish_all(choices).await {
-        Ok(done) => Json(reply.body(&done)).into_response(),
-        Err(e) => e.into_response(),
-    }
+    choices::respond(start(&state, &body), stream_response, Reply::body).await
 }
 
 fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), ApiError> {
@@ -177,7 +166,10 @@ fn tokenize_prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, 
 
 impl Reply {
     fn body(&self, done: &[FinishedChoice]) -> Value {
-        let prompt_tokens = choices::prompt_tokens(done, self.n);
+        let prompt_tokens = choices::prompt_tokens(
+            done.iter().map(|c| (c.index, c.prompt_token_ids.len())),
+            self.n,
+        );
         let completion_tokens: usize = done.iter().map(|c| c.token_ids.len()).sum();
         let choices: Vec<Value> = done.iter().map(|c| self.choice(c)).collect();
         json!({
@@ -215,10 +207,6 @@ impl Reply {
     fn chunk(&self, choice: Value) -> Value {
         json!({"id": self.id, "object": "text_completion", "created": created(), "model": self.model, "choices": [choice]})
     }
-}
-
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
 }
 
 /// The completions API's logprobs: parallel lists of token texts, their logprobs, the top
@@ -303,7 +291,7 @@ fn stream_response(
         let mut out = Vec::new();
         if usage_reply.include_usage {
             let seen = usage_seen.lock().unwrap_or_else(|p| p.into_inner());
-            let prompt: usize = seen.iter().enumerate().filter(|(i, _)| i % usage_reply.n.max(1) == 0).map(|(_, s)| s.prompt_len).sum();
+            let prompt = choices::prompt_tokens(seen.iter().map(|s| s.prompt_len).enumerate(), usage_reply.n);
             let completion: usize = seen.iter().map(|s| s.completion_tokens).sum();
             let body = json!({
                 "id": usage_reply.id, "object": "text_completion", "created": created(), "model": usage_reply.model,

@@ -25,11 +25,8 @@ pub struct Functions {
     pub gather_rows: CudaFunction,
     pub add_bias: CudaFunction,
     pub fill: CudaFunction,
-    pub to_float32: CudaFunction,
-    pub paged_attention_d16: CudaFunction,
-    pub paged_attention_d32: CudaFunction,
-    pub paged_attention_d64: CudaFunction,
-    pub paged_attention_d128: CudaFunction,
+    /// Indexed by head size (`HEAD_DIMS`).
+    pub paged_attention: [CudaFunction; 4],
     pub paged_attention_combine: CudaFunction,
     /// The decode kernel by head size (16, 32, 64, 128).
     /// Indexed by head size, then GQA group (1, 2, 4, 8).
@@ -101,6 +98,16 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
             .map_err(|e| driver_error(&format!("looking up kernel {name}"), e))
             .context("the kernel cache may be stale: delete it (see VLLM_RS_KERNEL_CACHE)")
     };
+    // `{name}_d16` … `{name}_d128`, in HEAD_DIMS order.
+    let head_dims = |name: &str| -> Result<[CudaFunction; 4]> {
+        Ok([
+            f(&format!("{name}_d16"))?,
+            f(&format!("{name}_d32"))?,
+            f(&format!("{name}_d64"))?,
+            f(&format!("{name}_d128"))?,
+        ])
+    };
+    // The decode kernels of one head size, by padded group (1, 2, 4, 8).
     let decode_kernels = |d: usize| -> Result<[CudaFunction; 4]> {
         Ok([
             f(&format!("paged_attention_decode_d{d}_g1"))?,
@@ -121,11 +128,7 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
         gather_rows: f("gather_rows")?,
         add_bias: f("add_bias")?,
         fill: f("fill")?,
-        to_float32: f("to_float32")?,
-        paged_attention_d16: f("paged_attention_d16")?,
-        paged_attention_d32: f("paged_attention_d32")?,
-        paged_attention_d64: f("paged_attention_d64")?,
-        paged_attention_d128: f("paged_attention_d128")?,
+        paged_attention: head_dims("paged_attention")?,
         paged_attention_combine: f("paged_attention_combine")?,
         paged_attention_decode: [
             decode_kernels(16)?,
@@ -136,12 +139,7 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
         paged_attention_decode_combine: f("paged_attention_decode_combine")?,
         paged_attention_prefill: match dtype {
             DType::F32 => None,
-            _ => Some([
-                f("paged_attention_prefill_d16")?,
-                f("paged_attention_prefill_d32")?,
-                f("paged_attention_prefill_d64")?,
-                f("paged_attention_prefill_d128")?,
-            ]),
+            _ => Some(head_dims("paged_attention_prefill")?),
         },
         sample_tokens_ex: f("sample_tokens_ex")?,
     };

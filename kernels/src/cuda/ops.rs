@@ -507,22 +507,6 @@ impl CudaOps {
         Ok(())
     }
 
-    /// `n` dtype elements to f32.
-    pub fn to_float32(&self, x: &CudaSlice<u8>, y: &mut CudaSlice<f32>, n: usize) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        self.check(x, n, "to_float32 x")?;
-        ensure!(y.len() >= n, "to_float32: output of {} for {n}", y.len());
-        let nn = n as i64;
-        let mut b = self.stream.launch_builder(&self.f.to_float32);
-        b.arg(x).arg(y).arg(&nn);
-        // SAFETY: sizes checked above.
-        unsafe { b.launch(grid_stride(n, self.num_sms)) }
-            .map_err(|e| driver_error("launching to_float32", e))?;
-        Ok(())
-    }
-
     /// Paged attention of q [T, Hq, D] over the caches, into out [T, Hq, D]: the decode
     /// kernel for the plan's one-token sequences, then the tile kernel for the rest.
     #[allow(clippy::too_many_arguments)]
@@ -757,12 +741,7 @@ impl CudaOps {
         } else {
             (None, None)
         };
-        let func = [
-            &self.f.paged_attention_d16,
-            &self.f.paged_attention_d32,
-            &self.f.paged_attention_d64,
-            &self.f.paged_attention_d128,
-        ][d_index];
+        let func = &self.f.paged_attention[d_index];
         {
             let s = &self.stream;
             let (q_p, _g0) = c.q.device_ptr(s);

@@ -194,7 +194,7 @@ impl SamplingBatch<'_> {
 impl CudaOps {
     /// Copies `data` to the device (at least one element: empty buffers are not
     /// allocatable; the kernel reads none of a padding element).
-    fn upload_padded<T: DeviceRepr + Copy>(&self, data: &[T], pad: T) -> Result<CudaSlice<T>> {
+    pub fn upload_padded<T: DeviceRepr + Copy>(&self, data: &[T], pad: T) -> Result<CudaSlice<T>> {
         let padded;
         let src = if data.is_empty() {
             padded = [pad];
@@ -204,7 +204,7 @@ impl CudaOps {
         };
         self.stream
             .clone_htod(src)
-            .map_err(|e| driver_error("copying sampling inputs to the GPU", e))
+            .map_err(|e| driver_error(&format!("copying {} elements to the GPU", data.len()), e))
     }
 
     /// An output buffer of `n` (at least one) elements: uninitialised, or filled with

@@ -1,5 +1,5 @@
 // Data movement: column slices (q/k/v split), row gathers (logits rows), bias add,
-// fills (test poisoning) and dtype conversion to f32 (logits for the sampler).
+// and fills (test poisoning).
 
 // out [rows, width] = x[:, start:start + width] of x [rows, cols].
 extern "C" __global__ void split_cols(const scalar_t* __restrict__ x,
@@ -37,13 +37,5 @@ extern "C" __global__ void fill(scalar_t* __restrict__ y, long long n, float val
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         y[i] = v;
-    }
-}
-
-extern "C" __global__ void to_float32(const scalar_t* __restrict__ x, float* __restrict__ y,
-                                      long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        y[i] = to_f32(x[i]);
     }
 }

@@ -93,17 +93,7 @@ impl CudaBackend {
     /// Copies i32 metadata to the device (at least one element: empty buffers are not
     /// allocatable).
     pub fn upload_i32(&self, data: &[i32]) -> Result<CudaSlice<i32>> {
-        let padded;
-        let src = if data.is_empty() {
-            padded = [0i32];
-            &padded[..]
-        } else {
-            data
-        };
-        self.dev
-            .stream
-            .clone_htod(src)
-            .map_err(|e| anyhow::anyhow!("copying {} ints to the GPU: {e:?}", data.len()))
+        self.ops.upload_padded(data, 0)
     }
 
     /// The attention plan of this step, built by the first layer and reused by the rest.

@@ -70,17 +70,19 @@ pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
         output,
         step_id: 0,
     };
-    let code = match core.run().await {
-        Ok(()) => 0,
+    match core.run().await {
+        Ok(()) => {
+            executor.shutdown().await;
+            Ok(0)
+        }
         Err(e) => {
             let why = format!("{e:#}");
             tracing::error!("engine-core stopping: {why}");
             core.fail_everything(&why).await;
-            1
+            executor.kill().await;
+            Ok(1)
         }
-    };
-    executor.shutdown().await;
-    Ok(code)
+    }
 }
 
 fn scheduler_config(

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, Context};
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use vllm_protocol::{
-    InitializeKvCache, ModelRunnerOutput, SchedulerOutput, WorkerEvent, WorkerInput, WorkerProfile,
+    DistributedInit, InitializeKvCache, ModelRunnerOutput, SchedulerOutput, WorkerEvent, WorkerInput, WorkerProfile,
     PROTOCOL_VERSION,
 };
 use zeromq::{PullSocket, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket};
@@ -32,6 +32,9 @@ pub struct Executor {
     events: mpsc::Receiver<ExecutorEvent>,
     /// The worker processes; shared with the watcher task, killed on drop.
     workers: std::sync::Arc<tokio::sync::Mutex<Vec<ChildProcess>>>,
+    /// How long a step may take before the workers count as hung. A little over the
+    /// workers' own collective timeout, so that their error (which names the rank) wins.
+    step_deadline: Duration,
 }
 
 /// What the workers reported at startup, once every rank is ready.
@@ -71,16 +74,58 @@ impl Executor {
             identities: Vec::new(),
             events,
             workers,
+            step_deadline: Duration::from_secs_f64(cfg.execute_model_timeout_s)
+                + Duration::from_secs(2),
         };
         let ready = executor.handshake(cfg).await?;
         Ok((executor, ready))
     }
 
+    /// Register every rank, hand them rank 0's `DistributedInit`, collect the profiles,
+    /// then size the KV cache by the smallest rank and wait until every rank allocated it.
     async fn handshake(&mut self, cfg: &EngineCoreConfig) -> anyhow::Result<WorkersReady> {
-        let n = cfg.world_size as usize;
+        let init = self.register_ranks(cfg.world_size as usize).await?;
+        self.broadcast(&WorkerInput::InitDistributed(init)).await?;
+        let profiles = self.collect_profiles().await?;
+        let num_gpu_blocks = cfg.num_gpu_blocks_override.unwrap_or_else(|| {
+            profiles
+                .iter()
+                .map(|p| p.num_available_blocks)
+                .min()
+                .unwrap_or(0)
+        });
+        if num_gpu_blocks == 0 {
+            bail!("no memory is left for the KV cache after loading the model: lower --max-model-len or --max-num-batched-tokens, or raise the memory budget");
+        }
+        tracing::info!(
+            num_gpu_blocks,
+            per_rank = ?profiles.iter().map(|p| p.num_available_blocks).collect::<Vec<_>>(),
+            "KV cache blocks (the smallest rank's)"
+        );
+        self.broadcast(&WorkerInput::InitializeKvCache(InitializeKvCache {
+            num_blocks: num_gpu_blocks,
+        }))
+        .await?;
+        let mut ready = 0;
+        while ready < self.identities.len() {
+            match self.next_event().await? {
+                ExecutorEvent::Worker(WorkerEvent::KvCacheReady(_)) => ready += 1,
+                _ => tracing::warn!("unexpected worker message while allocating the KV cache"),
+            }
+        }
+        let profile = profiles.into_iter().next().context("no worker ranks")?;
+        Ok(WorkersReady {
+            profile,
+            num_gpu_blocks,
+        })
+    }
+
+    /// Waits until all `n` ranks have registered and rank 0 has proposed the group's
+    /// `DistributedInit`.
+    async fn register_ranks(&mut self, n: usize) -> anyhow::Result<DistributedInit> {
         let mut identities = vec![None; n];
-        let mut profiles: Vec<Option<WorkerProfile>> = vec![None; n];
-        while identities.iter().any(Option::is_none) || profiles.iter().any(Option::is_none) {
+        let mut init = None;
+        while identities.iter().any(Option::is_none) || init.is_none() {
             match self.next_event().await? {
                 ExecutorEvent::Registered(id, reg) => {
                     if reg.protocol_version != PROTOCOL_VERSION {
@@ -94,12 +139,7 @@ impl Executor {
                         .context("worker registered with an unknown rank")?;
                     *slot = Some(id);
                 }
-                ExecutorEvent::Worker(WorkerEvent::Profiled(p)) => {
-                    let rank = p.rank as usize;
-                    *profiles
-                        .get_mut(rank)
-                        .context("profile from an unknown rank")? = Some(p);
-                }
+                ExecutorEvent::Worker(WorkerEvent::DistributedInit(i)) => init = Some(i),
                 ExecutorEvent::Worker(other) => {
                     tracing::warn!("unexpected worker message at startup: {other:?}")
                 }
@@ -107,44 +147,46 @@ impl Executor {
             }
         }
         self.identities = identities.into_iter().flatten().collect();
-        let profiles: Vec<WorkerProfile> = profiles.into_iter().flatten().collect();
-        let num_gpu_blocks = cfg.num_gpu_blocks_override.unwrap_or_else(|| {
-            profiles
-                .iter()
-                .map(|p| p.num_available_blocks)
-                .min()
-                .unwrap_or(0)
-        });
-        if num_gpu_blocks == 0 {
-            bail!("no memory is left for the KV cache after loading the model: lower --max-model-len or --max-num-batched-tokens, or raise the memory budget");
-        }
-        self.broadcast(&WorkerInput::InitializeKvCache(InitializeKvCache {
-            num_blocks: num_gpu_blocks,
-        }))
-        .await?;
-        let mut ready = 0;
-        while ready < n {
-            match self.next_event().await? {
-                ExecutorEvent::Worker(WorkerEvent::KvCacheReady(_)) => ready += 1,
-                _ => tracing::warn!("unexpected worker message while allocating the KV cache"),
-            }
-        }
-        let profile = profiles.into_iter().next().context("no worker ranks")?;
-        Ok(WorkersReady {
-            profile,
-            num_gpu_blocks,
-        })
+        init.context("no DistributedInit from rank 0")
     }
 
-    /// Runs one step on every rank and returns rank 0's output.
+    /// Every rank's profile, in rank order.
+    async fn collect_profiles(&mut self) -> anyhow::Result<Vec<WorkerProfile>> {
+        let mut profiles: Vec<Option<WorkerProfile>> = vec![None; self.identities.len()];
+        while profiles.iter().any(Option::is_none) {
+            match self.next_event().await? {
+                ExecutorEvent::Worker(WorkerEvent::Profiled(p)) => {
+                    let rank = p.rank as usize;
+                    *profiles
+                        .get_mut(rank)
+                        .context("profile from an unknown rank")? = Some(p);
+                }
+                _ => tracing::warn!("unexpected worker message while loading the model"),
+            }
+        }
+        Ok(profiles.into_iter().flatten().collect())
+    }
+
+    /// Runs one step on every rank and returns rank 0's output; an error if a rank dies,
+    /// fails, or gives no answer within the step deadline (a hang).
     pub async fn execute_model(
         &mut self,
         so: SchedulerOutput,
     ) -> anyhow::Result<ModelRunnerOutput> {
         let step_id = so.step_id;
+        let deadline = tokio::time::Instant::now() + self.step_deadline;
         self.broadcast(&WorkerInput::Execute(so)).await?;
         loop {
-            match self.next_event().await? {
+            let event = tokio::time::timeout_at(deadline, self.next_event())
+                .await
+                .map_err(|_| {
+                    anyhow!(
+                        "step {step_id}: no answer from the workers within {:.0} s \
+                         (--execute-model-timeout): a worker hangs",
+                        self.step_deadline.as_secs_f64()
+                    )
+                })?;
+            match event? {
                 ExecutorEvent::Worker(WorkerEvent::Output(out)) if out.step_id == step_id => {
                     return Ok(out)
                 }
@@ -174,6 +216,14 @@ impl Executor {
         let _ = self.broadcast(&WorkerInput::Shutdown(())).await;
         for worker in self.workers.lock().await.iter_mut() {
             worker.wait_or_kill(Duration::from_secs(5)).await;
+        }
+    }
+
+    /// After a failure: the surviving workers may be stuck (in a collective whose peer is
+    /// gone, or stopped), so they are killed at once, and reaped.
+    pub async fn kill(&mut self) {
+        for worker in self.workers.lock().await.iter_mut() {
+            worker.kill().await;
         }
     }
 

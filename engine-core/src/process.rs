@@ -42,6 +42,12 @@ impl ChildProcess {
         self.child.try_wait().ok().flatten()
     }
 
+    /// Kills the child (if it still runs) and reaps it.
+    pub async fn kill(&mut self) -> Option<ExitStatus> {
+        let _ = self.child.start_kill();
+        self.child.wait().await.ok()
+    }
+
     /// Waits up to `grace` for the child to exit by itself, then kills it.
     pub async fn wait_or_kill(&mut self, grace: Duration) -> Option<ExitStatus> {
         match tokio::time::timeout(grace, self.child.wait()).await {

@@ -109,6 +109,11 @@ pub struct EngineArgs {
     /// Seed of the sampler for requests without their own seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Seconds one step may take before it counts as hung: a tensor-parallel collective
+    /// that a peer does not join fails after it, and a worker that gives no answer is
+    /// declared dead, its requests failed (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
+    #[arg(long, default_value_t = 300.0)]
+    pub execute_model_timeout: f64,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
 }
@@ -168,6 +173,12 @@ impl EngineArgs {
         if self.num_gpu_blocks_override == Some(0) {
             bail!("--num-gpu-blocks-override must be at least 1");
         }
+        if !(self.execute_model_timeout > 0.0 && self.execute_model_timeout.is_finite()) {
+            bail!(
+                "--execute-model-timeout must be a positive number of seconds, got {}",
+                self.execute_model_timeout
+            );
+        }
         self.resolved_device()?;
         Ok(())
     }
@@ -202,6 +213,7 @@ impl EngineArgs {
             load_format: self.load_format.into(),
             attention_backend: AttentionBackend::from_name(&self.attention_backend)
                 .unwrap_or_default(),
+            execute_model_timeout_s: self.execute_model_timeout,
         })
     }
 
@@ -231,6 +243,7 @@ impl EngineArgs {
             scheduler,
             max_model_len_override: self.max_model_len,
             num_gpu_blocks_override: self.num_gpu_blocks_override,
+            execute_model_timeout_s: self.execute_model_timeout,
         })
     }
 }

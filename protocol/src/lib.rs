@@ -22,4 +22,4 @@ pub use scheduler_output::*;
 
 /// Bumped whenever a wire type changes shape. Processes of different versions refuse each
 /// other at the handshake instead of misreading each other's frames.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;

@@ -80,14 +80,25 @@ pub struct InitializeKvCache {
     pub num_blocks: u32,
 }
 
+/// What every rank needs to join the tensor-parallel group before it loads its shard.
+/// Rank 0 makes it (a CUDA rank creates the NCCL unique id, since only the workers load
+/// NCCL) and the engine-core hands the same value to every rank in the handshake.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DistributedInit {
+    /// The 128-byte `ncclUniqueId`; `None` on the CPU backend or at world size 1.
+    pub nccl_unique_id: Option<Vec<u8>>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum WorkerInput {
+    InitDistributed(DistributedInit),
     InitializeKvCache(InitializeKvCache),
     Execute(SchedulerOutput),
     Shutdown(()),
 }
 
 wire_message!(WorkerInput {
+    InitDistributed(DistributedInit) = 0x24,
     InitializeKvCache(InitializeKvCache) = 0x21,
     Execute(SchedulerOutput) = 0x22,
     Shutdown(()) = 0x23,
@@ -97,6 +108,8 @@ wire_message!(WorkerInput {
 pub enum WorkerEvent {
     /// Sent on the DEALER right after connecting.
     Register(Register),
+    /// Rank 0's proposal of the group's `DistributedInit`, right after registering.
+    DistributedInit(DistributedInit),
     /// Model loaded and memory profiled.
     Profiled(WorkerProfile),
     /// KV cache allocated; the rank is ready to execute.
@@ -108,6 +121,7 @@ pub enum WorkerEvent {
 
 wire_message!(WorkerEvent {
     Register(Register) = 0x31,
+    DistributedInit(DistributedInit) = 0x36,
     Profiled(WorkerProfile) = 0x32,
     KvCacheReady(u32) = 0x33,
     Output(ModelRunnerOutput) = 0x34,

@@ -120,6 +120,14 @@ fn worker_messages_round_trip() {
         }],
     }));
     round_trip(WorkerEvent::Failed("out of memory".into()));
+    let init = DistributedInit {
+        nccl_unique_id: Some((0..128).collect()),
+    };
+    round_trip(WorkerEvent::DistributedInit(init.clone()));
+    round_trip(WorkerInput::InitDistributed(init));
+    round_trip(WorkerInput::InitDistributed(DistributedInit {
+        nccl_unique_id: None,
+    }));
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The worker: model runner, model definitions, layers, weight loading, KV cache, sampler
 //! and backends (DESIGN §2).
 pub mod backend;
+pub mod communicator;
 pub mod config;
 pub mod input_batch;
 pub mod kv_cache;
@@ -10,5 +11,6 @@ pub mod models;
 pub mod reference;
 pub mod sampler;
 pub mod tiny_model;
+pub mod watchdog;
 pub mod weights;
 pub mod worker_proc;

@@ -5,10 +5,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, ensure, Context, Result};
-use vllm_protocol::{ModelInfo, ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerProfile};
+use vllm_protocol::{
+    DistributedInit, ModelInfo, ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerProfile,
+};
 
 use crate::backend::cuda::{memory, sampling};
 use crate::backend::{Backend, CpuBackend, CudaBackend};
+use crate::communicator::ShmCommunicator;
 use crate::config::{AttentionBackend, LoadFormat, ModelConfig};
 use crate::input_batch::InputBatch;
 use crate::kv_cache::{bytes_per_block, KvCache};
@@ -43,6 +46,22 @@ pub struct WorkerConfig {
     /// CUDA: which attention kernels run.
     #[serde(default)]
     pub attention_backend: AttentionBackend,
+    /// Seconds a step may take before it counts as hung (`--execute-model-timeout`): a
+    /// collective that a peer does not join within it fails instead of waiting for ever.
+    #[serde(default = "default_execute_model_timeout")]
+    pub execute_model_timeout_s: f64,
+}
+
+pub fn default_execute_model_timeout() -> f64 {
+    300.0
+}
+
+/// How this rank joins its tensor-parallel group, from the startup handshake.
+#[derive(Debug, Clone)]
+pub struct GroupInit {
+    /// The CPU backend's shared-memory file, the same path on every rank.
+    pub shm_path: PathBuf,
+    pub init: DistributedInit,
 }
 
 pub struct ModelRunner<B: Backend = CpuBackend> {
@@ -71,8 +90,14 @@ fn resolve_max_model_len(cfg: &WorkerConfig, model: &ModelConfig) -> Result<usiz
 }
 
 impl ModelRunner<CpuBackend> {
-    /// Loads the model of `cfg.model_dir` on the device `cfg.device`.
+    /// Loads the model of `cfg.model_dir` on the CPU, as the only rank.
     pub fn load(cfg: &WorkerConfig) -> Result<Self> {
+        Self::load_in_group(cfg, None)
+    }
+
+    /// Loads this rank's shard on the CPU; ranks of a group of more than one talk through
+    /// `group`'s shared-memory file.
+    pub fn load_in_group(cfg: &WorkerConfig, group: Option<&GroupInit>) -> Result<Self> {
         match cfg.device.as_str() {
             "cpu" => {
                 if let Some(d) = cfg
@@ -84,7 +109,18 @@ impl ModelRunner<CpuBackend> {
                         "the CPU backend computes in float32; --dtype {d} applies to GPUs only"
                     );
                 }
-                Self::with_backend(CpuBackend::new(cfg.world_size)?, cfg)
+                let backend = if cfg.world_size == 1 {
+                    CpuBackend::new()
+                } else {
+                    let group = group.context("a tensor-parallel rank needs its group")?;
+                    CpuBackend::with_communicator(ShmCommunicator::open(
+                        &group.shm_path,
+                        cfg.rank as usize,
+                        cfg.world_size as usize,
+                        std::time::Duration::from_secs_f64(cfg.execute_model_timeout_s),
+                    )?)
+                };
+                Self::with_backend(backend, cfg)
             }
             other => bail!("device \"{other}\" is not supported (supported: cpu, cuda)"),
         }
@@ -106,6 +142,7 @@ impl<B: Backend> ModelRunner<B> {
             rank: cfg.rank as usize,
             size: cfg.world_size as usize,
         };
+        tp.check_model(&model_config)?;
         let started = std::time::Instant::now();
         let weights = Weights::load(&cfg.model_dir, cfg.load_format, backend.weight_dtype())?;
         let bar = indicatif::ProgressBar::new(model_config.num_hidden_layers as u64);
@@ -132,10 +169,7 @@ impl<B: Backend> ModelRunner<B> {
             seconds = started.elapsed().as_secs_f32(),
             "model loaded"
         );
-        let num_kv_heads = model_config
-            .num_key_value_heads
-            .div_ceil(cfg.world_size as usize)
-            .max(1);
+        let num_kv_heads = tp.local_kv_heads(model_config.num_key_value_heads);
         Ok(Self {
             backend,
             cfg: cfg.clone(),
@@ -292,12 +326,24 @@ pub enum DeviceRunner {
 }
 
 impl DeviceRunner {
-    /// Loads the model on `cfg.device`: "cuda" opens GPU `cfg.rank`, anything else is the
-    /// CPU runner's business (which refuses what it does not know).
-    pub fn load(cfg: &WorkerConfig) -> Result<Self> {
+    /// Loads this rank's shard on `cfg.device`: "cuda" opens GPU `cfg.rank`, anything else
+    /// is the CPU runner's business (which refuses what it does not know).
+    pub fn load(cfg: &WorkerConfig, group: &GroupInit) -> Result<Self> {
         match cfg.device.as_str() {
-            "cuda" => Ok(Self::Cuda(Box::new(ModelRunner::load_cuda(cfg)?))),
-            _ => Ok(Self::Cpu(Box::new(ModelRunner::load(cfg)?))),
+            "cuda" => Ok(Self::Cuda(Box::new(ModelRunner::load_cuda(cfg, Some(group))?))),
+            _ => Ok(Self::Cpu(Box::new(ModelRunner::load_in_group(
+                cfg,
+                Some(group),
+            )?))),
+        }
+    }
+
+    /// What the worker's watchdog calls when a step hangs: aborts the NCCL communicator,
+    /// so that the GPU's collectives return and the step fails. None without one.
+    pub fn abort_handle(&self) -> Option<std::sync::Arc<crate::communicator::nccl::NcclAbort>> {
+        match self {
+            Self::Cpu(_) => None,
+            Self::Cuda(r) => r.backend.communicator().map(|c| c.abort_handle()),
         }
     }
 
@@ -324,8 +370,9 @@ impl DeviceRunner {
 }
 
 impl ModelRunner<CudaBackend> {
-    /// Opens GPU `cfg.rank` and loads the model in `--dtype` (auto: bfloat16).
-    pub fn load_cuda(cfg: &WorkerConfig) -> Result<Self> {
+    /// Opens GPU `cfg.rank`, joins the NCCL group of `group` when there is more than one
+    /// rank, and loads this rank's shard in `--dtype` (auto: bfloat16).
+    pub fn load_cuda(cfg: &WorkerConfig, group: Option<&GroupInit>) -> Result<Self> {
         let dtype = vllm_kernels::cuda::DType::from_flag(cfg.dtype.as_deref())?;
         let kernels = match cfg.attention_backend {
             AttentionBackend::CudaCore => vllm_kernels::cuda::AttentionKernels::CUDA_CORE,
@@ -333,8 +380,13 @@ impl ModelRunner<CudaBackend> {
                 vllm_kernels::cuda::AttentionKernels::flash(dtype != vllm_kernels::cuda::DType::F32)
             }
         };
-        let backend =
-            CudaBackend::new(cfg.rank, cfg.world_size, dtype)?.with_attention_kernels(kernels);
+        let mut backend = CudaBackend::new(cfg.rank, dtype)?.with_attention_kernels(kernels);
+        if cfg.world_size > 1 {
+            let id = group
+                .and_then(|g| g.init.nccl_unique_id.as_deref())
+                .context("a tensor-parallel CUDA rank needs the NCCL unique id of its group")?;
+            backend.join_group(id, cfg.rank, cfg.world_size)?;
+        }
         tracing::info!(
             device = backend.device_name(),
             gpu = backend.dev.name,

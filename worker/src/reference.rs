@@ -61,7 +61,7 @@ pub fn greedy_reference(model_dir: &Path, prompt: &[u32], max_tokens: usize) -> 
         total <= cfg.max_position_embeddings,
         "prompt + max_tokens ({total}) exceeds max_position_embeddings"
     );
-    let b = CpuBackend::new(1)?;
+    let b = CpuBackend::new();
     let weights = Weights::open(model_dir)?;
     let model = LlamaForCausalLM::load(
         &b,
@@ -83,7 +83,7 @@ pub fn greedy_reference(model_dir: &Path, prompt: &[u32], max_tokens: usize) -> 
 /// Logits of the last token of `tokens` after one from-scratch prefill (tests).
 pub fn reference_logits(model_dir: &Path, tokens: &[u32]) -> Result<Vec<f32>> {
     let cfg = ModelConfig::from_model_dir(model_dir)?;
-    let b = CpuBackend::new(1)?;
+    let b = CpuBackend::new();
     let weights = Weights::open(model_dir)?;
     let model = LlamaForCausalLM::load(
         &b,

@@ -453,7 +453,7 @@ mod tests {
             w.bytes_as(DType::F32).as_ref(),
             DType::F32.encode(&rounded(&a, DType::BF16).data).as_slice()
         );
-        let cpu = CpuBackend::new(1).unwrap();
+        let cpu = CpuBackend::new();
         let t = cpu.upload_weight(&w).unwrap();
         assert_eq!(cpu.to_host(&t).unwrap(), rounded(&a, DType::BF16));
     }
@@ -507,7 +507,7 @@ mod tests {
         write_tiny_model(dir.path(), &TinyModelSpec::tiny(Architecture::Qwen2)).unwrap();
         std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
         let cfg = crate::config::ModelConfig::from_model_dir(dir.path()).unwrap();
-        let b = CpuBackend::new(1).unwrap();
+        let b = CpuBackend::new();
         let weights = Weights::load(dir.path(), LoadFormat::Dummy, b.weight_dtype()).unwrap();
         let load = || {
             LlamaForCausalLM::load(

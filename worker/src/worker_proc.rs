@@ -1,6 +1,8 @@
-//! The worker process (`vllm-rs worker --rank R …`): connects to the engine-core, loads the
-//! model, reports its memory profile, allocates the KV cache when told how many blocks,
-//! then executes one `SchedulerOutput` after another. Only rank 0 answers with outputs.
+//! The worker process (`vllm-rs worker --rank R …`): connects to the engine-core, joins its
+//! tensor-parallel group (rank 0 proposes the group's `DistributedInit`, the engine-core
+//! hands it to every rank), loads its shard of the model, reports its memory profile,
+//! allocates the KV cache when told how many blocks, then executes one `SchedulerOutput`
+//! after another. Only rank 0 answers with outputs.
 //!
 //! Any failure is sent to the engine-core as `WorkerEvent::Failed` with the reason, then
 //! the process exits non-zero: the engine-core turns that into a clear error for the user.
@@ -8,11 +10,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::Context;
-use vllm_protocol::{Register, WireMessage, WorkerEvent, WorkerInput, PROTOCOL_VERSION};
+use anyhow::{bail, Context};
+use vllm_protocol::{
+    DistributedInit, Register, WireMessage, WorkerEvent, WorkerInput, PROTOCOL_VERSION,
+};
 use zeromq::{DealerSocket, PushSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::model_runner::{DeviceRunner, WorkerConfig};
+use crate::communicator::NcclCommunicator;
+use crate::model_runner::{DeviceRunner, GroupInit, WorkerConfig};
+use crate::watchdog::StepWatchdog;
 
 /// Where the worker finds its engine-core and who it is.
 pub struct WorkerArgs {
@@ -46,10 +52,15 @@ pub async fn run_worker(args: WorkerArgs) -> anyhow::Result<i32> {
 }
 
 async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
-    let mut runner = DeviceRunner::load(&args.config)?;
+    let group = join_group(args, sockets).await?;
+    let mut runner = DeviceRunner::load(&args.config, &group)?;
     sockets
         .send(&WorkerEvent::Profiled(runner.profile()?))
         .await?;
+    let watchdog = StepWatchdog::start(
+        Duration::from_secs_f64(args.config.execute_model_timeout_s),
+        runner.abort_handle(),
+    );
     loop {
         match sockets.recv().await? {
             WorkerInput::InitializeKvCache(init) => {
@@ -57,16 +68,43 @@ async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
                 sockets.send(&WorkerEvent::KvCacheReady(args.rank)).await?;
             }
             WorkerInput::Execute(so) => {
-                let out = runner
-                    .execute_model(&so)
-                    .with_context(|| format!("step {}", so.step_id))?;
+                watchdog.begin(so.step_id);
+                let out = runner.execute_model(&so);
+                watchdog.end().with_context(|| format!("step {}", so.step_id))?;
+                let out = out.with_context(|| format!("step {}", so.step_id))?;
                 if args.rank == 0 {
                     sockets.send(&WorkerEvent::Output(out)).await?;
                 }
             }
+            WorkerInput::InitDistributed(_) => {
+                tracing::warn!("ignoring a second InitDistributed")
+            }
             WorkerInput::Shutdown(()) => return Ok(()),
         }
     }
+}
+
+/// Rank 0 proposes the group's `DistributedInit` (on CUDA with several ranks, a fresh
+/// NCCL unique id); every rank then waits for the engine-core to hand it the same one.
+async fn join_group(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<GroupInit> {
+    if args.rank == 0 {
+        let nccl_unique_id = match (args.config.device.as_str(), args.world_size) {
+            ("cuda", n) if n > 1 => Some(NcclCommunicator::unique_id()?),
+            _ => None,
+        };
+        sockets
+            .send(&WorkerEvent::DistributedInit(DistributedInit { nccl_unique_id }))
+            .await?;
+    }
+    let init = match sockets.recv().await? {
+        WorkerInput::InitDistributed(init) => init,
+        WorkerInput::Shutdown(()) => bail!("shut down before the group formed"),
+        other => bail!("expected the group's InitDistributed first, got {other:?}"),
+    };
+    Ok(GroupInit {
+        shm_path: args.run_dir.join("tensor-parallel.shm"),
+        init,
+    })
 }
 
 /// The worker's two sockets: a DEALER that receives the engine-core's broadcasts and a PUSH

@@ -33,6 +33,7 @@ fn worker_config(dir: &Path) -> WorkerConfig {
         seed: 0,
         load_format: Default::default(),
         attention_backend: Default::default(),
+        execute_model_timeout_s: 300.0,
     }
 }
 

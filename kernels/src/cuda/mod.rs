@@ -12,6 +12,7 @@ pub mod dtype;
 pub mod gemm;
 pub mod libs;
 pub mod module;
+pub mod nccl;
 pub mod nvrtc;
 pub mod ops;
 pub mod sampling_ops;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig,
     PushKernelArg,
 };
 
@@ -490,6 +491,55 @@ impl CudaOps {
         unsafe { b.launch(grid_stride(rows * cols, self.num_sms)) }
             .map_err(|e| driver_error("launching add_bias", e))?;
         Ok(())
+    }
+
+    /// Copies a `height` × `width_bytes` block between two device buffers with row pitches
+    /// `src_pitch` and `dst_pitch`, starting at byte offsets `src_at` and `dst_at`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_2d(
+        &self,
+        src: &CudaSlice<u8>,
+        src_at: usize,
+        src_pitch: usize,
+        dst: &mut CudaSlice<u8>,
+        dst_at: usize,
+        dst_pitch: usize,
+        width_bytes: usize,
+        height: usize,
+    ) -> Result<()> {
+        if height == 0 || width_bytes == 0 {
+            return Ok(());
+        }
+        let end = |at: usize, pitch: usize| at + (height - 1) * pitch + width_bytes;
+        ensure!(
+            end(src_at, src_pitch) <= src.len() && end(dst_at, dst_pitch) <= dst.len(),
+            "copy_2d: {height} rows of {width_bytes} bytes outside the buffers"
+        );
+        let s = &self.stream;
+        let (sp, _g0) = src.device_ptr(s);
+        let (dp, _g1) = dst.device_ptr_mut(s);
+        let copy = cudarc::driver::sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: sp + src_at as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dp + dst_at as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch,
+            WidthInBytes: width_bytes,
+            Height: height,
+        };
+        // SAFETY: both blocks lie inside their buffers (checked above), on this stream.
+        unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, s.cu_stream()) }
+            .result()
+            .map_err(|e| driver_error("cuMemcpy2DAsync", e))
     }
 
     /// Sets `n` elements to `value` (NaN to poison outputs in tests).

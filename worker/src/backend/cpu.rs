@@ -1,13 +1,14 @@
 //! `CpuBackend`: the `Backend` over `vllm_kernels::cpu`, everything in f32.
 //!
-//! Serves `--device cpu` and is the reference the CUDA backend is checked against. It is
-//! single-rank: its tensor-parallel hooks are identities and refuse world size > 1.
+//! Serves `--device cpu` and is the reference the CUDA backend is checked against. With a
+//! tensor-parallel size above 1, its collectives go through the `ShmCommunicator`.
 
 use anyhow::{ensure, Result};
 use vllm_kernels::cpu as k;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 
 use super::{Backend, StepMetadata};
+use crate::communicator::{Communicator, ShmCommunicator};
 use crate::weights::{DType, HostTensor, WeightTensor};
 
 /// A host f32 tensor; `shape[0]` is rows, the product of the rest is columns.
@@ -36,18 +37,21 @@ impl CpuTensor {
     }
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Default)]
 pub struct CpuBackend {
-    world_size: u32,
+    /// The tensor-parallel group; `None` at world size 1.
+    comm: Option<ShmCommunicator>,
 }
 
 impl CpuBackend {
-    pub fn new(world_size: u32) -> Result<Self> {
-        ensure!(
-            world_size == 1,
-            "the CPU backend runs one rank only (tensor-parallel size {world_size} requested)"
-        );
-        Ok(Self { world_size })
+    /// A single-rank backend.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A backend whose collectives run over `comm`.
+    pub fn with_communicator(comm: ShmCommunicator) -> Self {
+        Self { comm: Some(comm) }
     }
 }
 
@@ -262,13 +266,27 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::matrix(indices.len(), cols, data))
     }
 
-    fn all_reduce(&self, _x: &mut CpuTensor) -> Result<()> {
-        debug_assert_eq!(self.world_size, 1);
-        Ok(())
+    fn all_reduce(&self, x: &mut CpuTensor) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.all_reduce(x),
+            None => Ok(()),
+        }
     }
 
     fn all_gather_cols(&self, x: CpuTensor) -> Result<CpuTensor> {
-        debug_assert_eq!(self.world_size, 1);
-        Ok(x)
+        let Some(comm) = &self.comm else {
+            return Ok(x);
+        };
+        let (rows, cols, n) = (x.rows(), x.cols(), comm.world_size());
+        // [n · rows, cols] in rank order → [rows, n · cols].
+        let stacked = comm.all_gather(&x)?;
+        let mut out = CpuTensor::poisoned(rows, n * cols);
+        for (r, part) in stacked.data.chunks_exact((rows * cols).max(1)).enumerate() {
+            for (row, src) in part.chunks_exact(cols.max(1)).enumerate() {
+                let at = row * n * cols + r * cols;
+                out.data[at..at + cols].copy_from_slice(src);
+            }
+        }
+        Ok(out)
     }
 }

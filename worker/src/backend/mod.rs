@@ -176,11 +176,11 @@ pub trait Backend {
     /// Rows `indices` of `x`, in order.
     fn gather_rows(&self, x: &Self::Tensor, indices: &Self::Ints) -> Result<Self::Tensor>;
 
-    /// TENSOR-PARALLEL HOOK: sums `x` over all ranks after a row-parallel layer or the
-    /// vocab-parallel embedding. Identity on world size 1.
+    /// Sums `x` over the tensor-parallel ranks (after a row-parallel layer or the
+    /// vocab-parallel embedding). Identity on world size 1.
     fn all_reduce(&self, x: &mut Self::Tensor) -> Result<()>;
-    /// TENSOR-PARALLEL HOOK: concatenates each rank's columns (vocab-parallel logits).
-    /// Identity on world size 1.
+    /// Each rank's [rows, cols] side by side in rank order: [rows, world_size · cols] (the
+    /// vocab-parallel logits). Identity on world size 1.
     fn all_gather_cols(&self, x: Self::Tensor) -> Result<Self::Tensor>;
 }
 

@@ -2,11 +2,13 @@
 //! slice of the vocabulary; the embedding sums the ranks' rows (ids outside a shard give
 //! zeros), the LM head gathers each rank's logits columns.
 
+use std::borrow::Cow;
+
 use anyhow::Result;
 
 use super::TensorParallel;
 use crate::backend::Backend;
-use crate::weights::Weights;
+use crate::weights::{WeightTensor, Weights};
 
 /// `(start, len)` of this rank's vocabulary slice: ceil(vocab / tp) rows, the last rank
 /// keeping what is left.
@@ -45,9 +47,13 @@ impl<B: Backend> VocabParallelEmbedding<B> {
     }
 }
 
-/// The LM head: `lm_head.weight`, or the embedding's weight when tied.
+/// The LM head: `lm_head.weight`, or the embedding's weight when tied. Every rank's shard
+/// is `ceil(vocab / tp)` rows, the last one padded with zero rows, so that the gather
+/// moves equal parts; the padding columns are cut off after it.
 pub struct ParallelLMHead<B: Backend> {
     weight: B::Tensor,
+    vocab: usize,
+    padded_vocab: usize,
 }
 
 impl<B: Backend> ParallelLMHead<B> {
@@ -60,16 +66,32 @@ impl<B: Backend> ParallelLMHead<B> {
         tp: TensorParallel,
     ) -> Result<Self> {
         let (start, len) = vocab_shard(vocab, tp);
-        let w = weights.get(name, &[vocab, hidden])?.narrow(0, start, len);
+        let per_rank = vocab.div_ceil(tp.size);
+        let mut w = weights.get(name, &[vocab, hidden])?.narrow(0, start, len);
+        if len < per_rank {
+            let zeros = vec![0u8; (per_rank - len) * hidden * w.dtype.size()];
+            let pad = WeightTensor::new(vec![per_rank - len, hidden], w.dtype, Cow::Owned(zeros));
+            w = WeightTensor::cat_rows(vec![w, pad]);
+        }
         Ok(Self {
             weight: b.upload_weight(&w)?,
+            vocab,
+            padded_vocab: per_rank * tp.size,
         })
     }
 
     /// Logits [rows, vocab] of hidden states [rows, hidden].
     pub fn forward(&self, b: &B, hidden: &B::Tensor) -> Result<B::Tensor> {
-        let logits = b.linear(hidden, &self.weight, None)?;
-        b.all_gather_cols(logits)
+        let logits = b.all_gather_cols(b.linear(hidden, &self.weight, None)?)?;
+        if self.padded_vocab == self.vocab {
+            return Ok(logits);
+        }
+        let pad = self.padded_vocab - self.vocab;
+        let mut parts = b.split_cols(&logits, &[self.vocab, pad])?;
+        parts.truncate(1);
+        parts
+            .pop()
+            .ok_or_else(|| anyhow::anyhow!("split_cols returned no part"))
     }
 }
 

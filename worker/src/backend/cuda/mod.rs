@@ -27,6 +27,7 @@ use tensor::DevicePlan;
 pub use tensor::{CudaInts, CudaTensor};
 
 use super::{Backend, StepMetadata};
+use crate::communicator::{Communicator, NcclCommunicator};
 use crate::sampler::seeded_uniform;
 use crate::weights::{HostTensor, WeightTensor};
 
@@ -44,16 +45,14 @@ pub struct CudaBackend {
     attention: AttentionKernels,
     /// Draws of requests without a seed: a counter-based stream of their own.
     unseeded_draws: Cell<u64>,
+    /// The tensor-parallel group; `None` at world size 1.
+    comm: Option<NcclCommunicator>,
 }
 
 impl CudaBackend {
-    /// Opens GPU `rank` (one process per GPU) and builds the kernels of `dtype`.
-    pub fn new(rank: u32, world_size: u32, dtype: DType) -> Result<Self> {
-        ensure!(
-            world_size == 1,
-            "the CUDA backend runs one GPU per engine for now (tensor-parallel size \
-             {world_size} requested; NCCL support is a later issue)"
-        );
+    /// Opens GPU `rank` (one process per GPU: rank r takes GPU r) and builds the kernels
+    /// of `dtype`.
+    pub fn new(rank: u32, dtype: DType) -> Result<Self> {
         let dev = CudaDevice::open(rank as usize)?;
         let ops = CudaOps::new(&dev, dtype)?;
         let gemm = Gemm::new(dev.stream.clone(), dtype)?;
@@ -64,7 +63,25 @@ impl CudaBackend {
             dtype,
             attention: AttentionKernels::flash(dtype != DType::F32),
             unseeded_draws: Cell::new(0),
+            comm: None,
         })
+    }
+
+    /// Joins the tensor-parallel group of `unique_id` as `rank` of `world_size`; blocks
+    /// until every rank has joined.
+    pub fn join_group(&mut self, unique_id: &[u8], rank: u32, world_size: u32) -> Result<()> {
+        self.comm = Some(NcclCommunicator::join(
+            unique_id,
+            rank as usize,
+            world_size as usize,
+            self.dev.stream.clone(),
+            self.dtype,
+        )?);
+        Ok(())
+    }
+
+    pub fn communicator(&self) -> Option<&NcclCommunicator> {
+        self.comm.as_ref()
     }
 
     /// Runs attention with `kernels` instead of the flash default.
@@ -490,11 +507,41 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn all_reduce(&self, _x: &mut CudaTensor) -> Result<()> {
-        Ok(())
+    fn all_reduce(&self, x: &mut CudaTensor) -> Result<()> {
+        match &self.comm {
+            Some(c) => c.all_reduce(x),
+            None => Ok(()),
+        }
     }
 
     fn all_gather_cols(&self, x: CudaTensor) -> Result<CudaTensor> {
-        Ok(x)
+        let Some(comm) = &self.comm else {
+            return Ok(x);
+        };
+        let (rows, cols, n) = (x.rows(), x.cols(), comm.world_size());
+        let stacked = comm.all_gather(&x)?;
+        if rows == 1 {
+            // [n, 1, cols] is already [1, n · cols].
+            return Ok(CudaTensor {
+                shape: vec![1, n * cols],
+                buf: stacked.buf,
+            });
+        }
+        let mut out = self.tensor(vec![rows, n * cols])?;
+        let es = self.dtype.size();
+        for r in 0..n {
+            // Rank r's [rows, cols] block goes to columns r·cols.. of every row.
+            self.ops.copy_2d(
+                &stacked.buf,
+                r * rows * cols * es,
+                cols * es,
+                &mut out.buf,
+                r * cols * es,
+                n * cols * es,
+                cols * es,
+                rows,
+            )?;
+        }
+        Ok(out)
     }
 }

@@ -238,13 +238,13 @@ fn compare_model(preset: &str, dtype: DType, new_tokens: usize, max_abs_bound: f
     let dir = model_dir(preset);
     let spec = TinyModelSpec::preset(preset).unwrap();
     let ps = prompts(6, spec.vocab, 1);
-    let cpu = run_batch(&CpuBackend::new(1).unwrap(), &dir, &ps, new_tokens, true).unwrap();
+    let cpu = run_batch(&CpuBackend::new(), &dir, &ps, new_tokens, true).unwrap();
     let sixteen_bit = dtype != DType::F32;
     for kernels in [
         AttentionKernels::CUDA_CORE,
         AttentionKernels::flash(sixteen_bit),
     ] {
-        let gpu = CudaBackend::new(0, 1, dtype)
+        let gpu = CudaBackend::new(0, dtype)
             .unwrap()
             .with_attention_kernels(kernels);
         let cuda = run_batch(&gpu, &dir, &ps, new_tokens, true).unwrap();
@@ -359,7 +359,7 @@ fn gpu_sampler_matches_cpu_sampler() {
     if !gpu_present() {
         return;
     }
-    let b = CudaBackend::new(0, 1, DType::BF16).unwrap();
+    let b = CudaBackend::new(0, DType::BF16).unwrap();
     let cases: Vec<SamplingParams> = vec![
         SamplingParams {
             temperature: 0.0,
@@ -473,7 +473,7 @@ fn hf_parity_dump() {
         Ok("flash") => AttentionKernels::flash(dtype != DType::F32),
         _ => AttentionKernels::CUDA_CORE,
     };
-    let b = CudaBackend::new(0, 1, dtype)
+    let b = CudaBackend::new(0, dtype)
         .unwrap()
         .with_attention_kernels(kernels);
     let started = std::time::Instant::now();
@@ -526,8 +526,9 @@ fn decode_latency_bench() {
             seed: 0,
             load_format: Default::default(),
             attention_backend: Default::default(),
+            execute_model_timeout_s: 300.0,
         };
-        let mut r = ModelRunner::load_cuda(&cfg).unwrap();
+        let mut r = ModelRunner::load_cuda(&cfg, None).unwrap();
         r.profile_cuda().unwrap();
         r.initialize_kv_cache(64).unwrap();
         let (prompt_len, steps) = (128usize, 256usize);
@@ -876,7 +877,7 @@ fn gpu_sampler_matches_cpu_sampler_with_every_parameter() {
         return;
     }
     for dtype in [DType::F32, DType::BF16] {
-        let b = CudaBackend::new(0, 1, dtype).unwrap();
+        let b = CudaBackend::new(0, dtype).unwrap();
         for (vocab, rows_per_case) in [(1000usize, 8usize), (151_936, 2)] {
             let [agree, n, lp_agree, lp_rows, worst] = full_sampler_case(&b, vocab, rows_per_case);
             println!(
@@ -901,7 +902,7 @@ fn gpu_sampler_rows_keep_their_entries_and_slots() {
     if !gpu_present() {
         return;
     }
-    let b = CudaBackend::new(0, 1, DType::F32).unwrap();
+    let b = CudaBackend::new(0, DType::F32).unwrap();
     let vocab = 64;
     let n = 6;
     let logits: Vec<f32> = (0..n * vocab)
@@ -956,7 +957,7 @@ fn gpu_sampler_step_time() {
     if !gpu_present() {
         return;
     }
-    let b = CudaBackend::new(0, 1, DType::BF16).unwrap();
+    let b = CudaBackend::new(0, DType::BF16).unwrap();
     let (n, vocab) = (256usize, 151_936usize);
     let t = b
         .upload(&HostTensor::new(vec![n, vocab], sampler_rows(n, vocab, 3)))

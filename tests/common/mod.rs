@@ -14,19 +14,21 @@ pub fn exe() -> PathBuf {
 /// The tiny random model every test serves, written once per test binary.
 pub fn tiny_model() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let status = Command::new(exe())
-            .args(["make-tiny-model", "--out"])
-            .arg(dir.path())
-            .args(["--preset", "tiny-qwen3", "--seed", "1"])
-            .stdout(Stdio::null())
-            .status()
-            .expect("run make-tiny-model");
-        assert!(status.success(), "make-tiny-model failed");
-        dir
-    })
-    .path()
+    DIR.get_or_init(|| make_tiny_model("tiny-qwen3")).path()
+}
+
+/// A fresh folder with the random model of `make-tiny-model --preset <preset> --seed 1`.
+pub fn make_tiny_model(preset: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let status = Command::new(exe())
+        .args(["make-tiny-model", "--out"])
+        .arg(dir.path())
+        .args(["--preset", preset, "--seed", "1"])
+        .stdout(Stdio::null())
+        .status()
+        .expect("run make-tiny-model");
+    assert!(status.success(), "make-tiny-model --preset {preset} failed");
+    dir
 }
 
 pub fn free_port() -> u16 {
@@ -50,6 +52,13 @@ impl Server {
     }
 
     pub fn start_with_model(model: &Path, extra: &[&str]) -> Server {
+        let mut server = Self::spawn(model, extra, &[]);
+        server.wait_healthy(Duration::from_secs(120));
+        server
+    }
+
+    /// Starts `vllm-rs serve` with `env` added to its environment, without waiting for it.
+    pub fn spawn(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
         let child = Command::new(exe())
@@ -58,17 +67,16 @@ impl Server {
             .args(["--port", &port.to_string(), "--served-model-name", "tiny"])
             .args(extra)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log.reopen().expect("log"))
             .spawn()
             .expect("spawn vllm-rs serve");
-        let mut server = Server {
+        Server {
             child,
             base: format!("http://127.0.0.1:{port}"),
             log,
-        };
-        server.wait_healthy(Duration::from_secs(120));
-        server
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -83,7 +91,7 @@ impl Server {
         std::fs::read_to_string(self.log.path()).unwrap_or_default()
     }
 
-    fn wait_healthy(&mut self, limit: Duration) {
+    pub fn wait_healthy(&mut self, limit: Duration) {
         let start = Instant::now();
         while start.elapsed() < limit {
             if let Ok(Some(status)) = self.child.try_wait() {

@@ -165,7 +165,11 @@ impl ShmCommunicator {
 
     /// `x` becomes rank `root`'s `x`.
     pub fn broadcast_f32(&self, x: &mut [f32], root: usize) -> Result<()> {
-        ensure!(root < self.world_size, "broadcast from rank {root} of {}", self.world_size);
+        ensure!(
+            root < self.world_size,
+            "broadcast from rank {root} of {}",
+            self.world_size
+        );
         for chunk in x.chunks_mut(SLOT_ELEMS) {
             if self.rank == root {
                 self.write_own_slot(chunk);
@@ -250,9 +254,8 @@ mod tests {
             c.all_reduce_f32(&mut y).unwrap();
             (x, y)
         });
-        let expected: Vec<f32> = (0..len)
-            .map(|i| (rank_data(0, len)[i] + rank_data(1, len)[i]) + rank_data(2, len)[i])
-            .collect();
+        let (r0, r1, r2) = (rank_data(0, len), rank_data(1, len), rank_data(2, len));
+        let expected: Vec<f32> = (0..len).map(|i| (r0[i] + r1[i]) + r2[i]).collect();
         for (x, y) in &results {
             assert_eq!(x, &expected, "bit-identical on every rank");
             assert_eq!(y, &vec![6.0; 5]);

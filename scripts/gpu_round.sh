@@ -4,6 +4,8 @@
 #   scripts/gpu_round.sh [stage…]     stages: info kernels model serve serve-quick parity
 #                                     parity32 bench offline-bench profile latency-8b
 #                                     kernel-bench
+#                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
+#                                     tp-throughput tp-70b tp-parity tp-parity32
 #                                     (default: info kernels kernel-bench model serve parity bench)
 #
 # It runs prebuilt binaries from .gpu/ (built on the development machine, see
@@ -22,6 +24,8 @@ export LD_LIBRARY_PATH=$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}
 export VLLM_REQUIRE_GPU=1
 export VLLM_RS_KERNEL_CACHE=${VLLM_RS_KERNEL_CACHE:-/tmp/vllm-rs-kernel-cache}
 export RUST_LOG=${RUST_LOG:-info}
+# NVLink multicast stays off on shared multi-GPU machines; the workers inherit it.
+export NCCL_NVLS_ENABLE=0
 STAGES=${*:-info kernels kernel-bench model serve parity bench}
 SUMMARY=()
 BIN=$G/vllm-rs
@@ -39,7 +43,7 @@ stage() {
     t1=$(date +%s.%N)
     SUMMARY+=("$(printf "%-18s rc=%-3s %6.1fs" "$name" "$rc" "$(awk "BEGIN{print $t1 - $t0}")")")
     echo "== $name (rc=$rc)"
-    grep -a -E "SKIPPED|test result|STEP|MODEL-CHECK|SAMPLER-CHECK|PARITY|BENCH|MATCH|DIFFER|differs|build\+save|error|Error|^\|" \
+    grep -a -E "SKIPPED|test result|STEP|NCCL-CHECK|MODEL-CHECK|SAMPLER-CHECK|PARITY|BENCH|MATCH|DIFFER|differs|build\+save|error|Error|^\|" \
         "$LOG/$name.log" | grep -v "^\s*$" | head -40
     grep -a -A4 "panicked" "$LOG/$name.log" | head -30
     return 0
@@ -201,8 +205,82 @@ latency_8b() {
     done
 }
 
+
+# Tensor parallelism: greedy text at TP=2 equals TP=1 (random Qwen3 models, real processes).
+tp_serve() {
+    local preset tokens dir one two
+    for preset in tiny-qwen3 qwen3-0.6b; do
+        dir=$MODELS/$preset
+        make_model "$preset" "$dir"
+        one=$("$BIN" generate --model "$dir" --device cuda -t 1 --prompt "Hello world, this is" \
+            --max-tokens 32 --temperature 0 --ignore-eos 2>"$LOG/tp1-$preset.err")
+        two=$("$BIN" generate --model "$dir" --device cuda -t 2 --prompt "Hello world, this is" \
+            --max-tokens 32 --temperature 0 --ignore-eos 2>"$LOG/tp2-$preset.err")
+        if [ "$one" == "$two" ] && [ -n "$one" ]; then
+            echo "MATCH $preset greedy 32 tokens TP=2 == TP=1"
+        else
+            echo "DIFFER $preset TP=2 vs TP=1"
+            echo "  tp1: $(echo "$one" | head -c 200)"
+            echo "  tp2: $(echo "$two" | head -c 200)"
+            grep -a -E "ERROR|error" "$LOG/tp2-$preset.err" | head -5
+        fi
+    done
+}
+
+# Batch-1 decode of the Qwen3-8B shape at TP=1 and TP=2 (dummy weights drawn on the GPU).
+tp_latency() {
+    local tp
+    for tp in 1 2; do
+        echo "BENCH latency qwen3-8b TP=$tp (128 prompt, 256 output, batch 1):"
+        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench latency --model "$G/models/Qwen3-8B" \
+            --load-format dummy --device cuda -t "$tp" --input-len 128 --output-len 256 \
+            --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
+            2>"$LOG/tp-latency-$tp.err" | sed 's/^/BENCH   /'
+        echo "BENCH   (rc=${PIPESTATUS[0]})"
+    done
+}
+
+tp_throughput() {
+    local m=$MODELS/qwen3-0.6b tp
+    make_model qwen3-0.6b "$m"
+    for tp in 1 2; do
+        echo "BENCH throughput nanovllm-256 qwen3-0.6b TP=$tp (bench throughput, in-process):"
+        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench throughput --model "$m" --device cuda \
+            -t "$tp" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
+            2>"$LOG/tp-throughput-$tp.err" | sed 's/^/BENCH   /'
+        echo "BENCH   (rc=${PIPESTATUS[0]})"
+    done
+}
+
+# The Llama-3.1-70B shape at TP=2 with dummy weights: start-up, one API answer, TPOT.
+tp_70b() {
+    local m=$G/models/Llama-3.1-70B port=8170 t0 pid
+    t0=$(date +%s.%N)
+    "$BIN" serve --model "$m" --load-format dummy --device cuda -t 2 --port $port \
+        --max-model-len 8192 >"$LOG/serve-70b.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 1800); do
+        curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
+        kill -0 $pid 2>/dev/null || break
+        sleep 0.1
+    done
+    echo "BENCH 70b TP=2 serve -> /health 200: $(awk "BEGIN{print $(date +%s.%N) - $t0}")s"
+    grep -a -E "loaded|KV cache|ERROR" "$LOG/serve-70b.log" | head -6
+    echo "BENCH 70b completion: $(curl -s "localhost:$port/v1/completions" -H 'content-type: application/json' \
+        -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}' | head -c 300)"
+    kill $pid 2>/dev/null
+    wait $pid 2>/dev/null
+    echo "BENCH latency llama-3.1-70b TP=2 (128 prompt, 128 output, batch 1):"
+    timeout -k 5 "${BENCH_TIMEOUT:-200}" "$BIN" bench latency --model "$m" --load-format dummy \
+        --device cuda -t 2 --input-len 128 --output-len 128 --batch-size 1 \
+        --num-iters-warmup 1 --num-iters 3 --max-model-len 8192 \
+        2>"$LOG/latency-70b.err" | sed 's/^/BENCH   /'
+    echo "BENCH   (rc=${PIPESTATUS[0]})"
+}
+
 export G LOG BIN MODELS
-export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench profile_stage latency_8b
+export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench profile_stage latency_8b \
+    tp_serve tp_latency tp_throughput tp_70b
 
 for s in $STAGES; do
     case $s in
@@ -218,6 +296,13 @@ for s in $STAGES; do
     profile) stage profile profile_stage ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
     latency-8b) stage latency-8b latency_8b ;;
+    tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;
+    tp-serve) stage tp-serve tp_serve ;;
+    tp-latency) stage tp-latency tp_latency ;;
+    tp-throughput) stage tp-throughput tp_throughput ;;
+    tp-70b) stage tp-70b tp_70b ;;
+    tp-parity) stage tp-parity python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
+    tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
     *) echo "unknown stage $s" ;;
     esac
 done

@@ -22,7 +22,7 @@ use safetensors::{Dtype, SafeTensors};
 use vllm_kernels::cuda::dtype::par_blocks;
 
 pub use crate::config::LoadFormat;
-pub use dummy::DUMMY_SEED;
+pub use dummy::{DummyRegion, DUMMY_SEED};
 pub use vllm_kernels::cuda::DType;
 
 /// Bytes per block of the parallel copies that fuse weights.
@@ -78,12 +78,21 @@ impl HostTensor {
 }
 
 /// A weight as little-endian bytes of `dtype`, row-major: borrowed from the checkpoint's
-/// mmap where possible, owned once narrowed along columns, fused or generated.
+/// mmap where possible, owned once narrowed along columns or fused, or (dummy weights) not
+/// drawn yet.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WeightTensor<'a> {
     pub shape: Vec<usize>,
     pub dtype: DType,
-    pub bytes: Cow<'a, [u8]>,
+    data: WeightData<'a>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum WeightData<'a> {
+    Bytes(Cow<'a, [u8]>),
+    /// Dummy values, drawn only when the bytes are asked for (or on the GPU by the CUDA
+    /// backend): row blocks stacked in order.
+    Dummy(Vec<DummyRegion>),
 }
 
 impl<'a> WeightTensor<'a> {
@@ -92,7 +101,15 @@ impl<'a> WeightTensor<'a> {
         Self {
             shape,
             dtype,
-            bytes,
+            data: WeightData::Bytes(bytes),
+        }
+    }
+
+    fn dummy(shape: Vec<usize>, dtype: DType, regions: Vec<DummyRegion>) -> Self {
+        Self {
+            shape,
+            dtype,
+            data: WeightData::Dummy(regions),
         }
     }
 
@@ -105,9 +122,25 @@ impl<'a> WeightTensor<'a> {
         self.shape.iter().product()
     }
 
+    /// The regions of a dummy weight not drawn yet, stacked by rows.
+    pub fn dummy_regions(&self) -> Option<&[DummyRegion]> {
+        match &self.data {
+            WeightData::Dummy(regions) => Some(regions),
+            WeightData::Bytes(_) => None,
+        }
+    }
+
+    /// The raw bytes in `self.dtype` (a dummy weight is drawn now).
+    pub fn bytes(&self) -> Cow<'_, [u8]> {
+        match &self.data {
+            WeightData::Bytes(b) => Cow::Borrowed(b),
+            WeightData::Dummy(regions) => Cow::Owned(dummy::draw(regions, self.dtype)),
+        }
+    }
+
     /// The values in f32 (converted in parallel chunks).
     pub fn to_f32(&self) -> Vec<f32> {
-        self.dtype.decode(&self.bytes)
+        self.dtype.decode(&self.bytes())
     }
 
     pub fn to_host(&self) -> HostTensor {
@@ -117,10 +150,11 @@ impl<'a> WeightTensor<'a> {
     /// The bytes in `dtype`: these very bytes when the dtype is already `dtype`, else a
     /// parallel conversion.
     pub fn bytes_as(&self, dtype: DType) -> Cow<'_, [u8]> {
+        let bytes = self.bytes();
         if self.dtype == dtype {
-            Cow::Borrowed(&self.bytes)
+            bytes
         } else {
-            Cow::Owned(self.dtype.convert(&self.bytes, dtype))
+            Cow::Owned(self.dtype.convert(&bytes, dtype))
         }
     }
 
@@ -128,6 +162,12 @@ impl<'a> WeightTensor<'a> {
     /// tensor-parallel shard of a weight), cut from the raw bytes. Along dimension 0 the
     /// shard of a borrowed tensor is still borrowed.
     pub fn narrow(self, dim: usize, start: usize, len: usize) -> WeightTensor<'a> {
+        if let WeightData::Dummy(regions) = &self.data {
+            let regions = dummy::narrow(regions, &self.shape, dim, start, len);
+            let mut shape = self.shape;
+            shape[dim] = len;
+            return WeightTensor::dummy(shape, self.dtype, regions);
+        }
         let es = self.dtype.size();
         match (self.shape.len(), dim) {
             (_, 0) => {
@@ -144,9 +184,10 @@ impl<'a> WeightTensor<'a> {
                 let mut shape = self.shape;
                 shape[0] = len;
                 let range = start * row..(start + len) * row;
-                let bytes = match self.bytes {
-                    Cow::Borrowed(b) => Cow::Borrowed(&b[range]),
-                    Cow::Owned(b) => Cow::Owned(b[range].to_vec()),
+                let bytes = match self.data {
+                    WeightData::Bytes(Cow::Borrowed(b)) => Cow::Borrowed(&b[range]),
+                    WeightData::Bytes(Cow::Owned(b)) => Cow::Owned(b[range].to_vec()),
+                    WeightData::Dummy(_) => unreachable!("handled above"),
                 };
                 WeightTensor::new(shape, self.dtype, bytes)
             }
@@ -162,7 +203,7 @@ impl<'a> WeightTensor<'a> {
                     return self;
                 }
                 let mut out = Vec::with_capacity(r * len * es);
-                for row in self.bytes.chunks_exact(c * es) {
+                for row in self.bytes().chunks_exact(c * es) {
                     out.extend_from_slice(&row[start * es..(start + len) * es]);
                 }
                 WeightTensor::new(vec![r, len], self.dtype, Cow::Owned(out))
@@ -185,6 +226,15 @@ impl<'a> WeightTensor<'a> {
             parts.iter().map(|p| &p.shape).collect::<Vec<_>>()
         );
         shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+        if parts.iter().all(|p| p.dtype == parts[0].dtype) {
+            if let Some(regions) = parts
+                .iter()
+                .map(|p| p.dummy_regions().map(<[_]>::to_vec))
+                .collect::<Option<Vec<_>>>()
+            {
+                return WeightTensor::dummy(shape, parts[0].dtype, regions.concat());
+            }
+        }
         let dtype = if parts.iter().all(|p| p.dtype == parts[0].dtype) {
             parts[0].dtype
         } else {
@@ -440,14 +490,14 @@ mod tests {
         let w = weights.get("w", &[8, 6]).unwrap();
         assert_eq!(w.dtype, DType::BF16);
         let expected = DType::BF16.encode(&a.data);
-        assert_eq!(w.bytes.as_ref(), expected.as_slice());
+        assert_eq!(w.bytes().as_ref(), expected.as_slice());
         // Borrowed from the mmap, not copied: the same bytes end the file.
-        assert!(matches!(w.bytes, Cow::Borrowed(_)));
+        assert!(matches!(w.bytes(), Cow::Borrowed(_)));
         assert!(file.ends_with(&expected));
         assert!(matches!(w.bytes_as(DType::BF16), Cow::Borrowed(b) if b == expected.as_slice()));
         let rows = w.clone().narrow(0, 2, 3);
-        assert!(matches!(rows.bytes, Cow::Borrowed(_)));
-        assert_eq!(rows.bytes.as_ref(), &expected[2 * 6 * 2..5 * 6 * 2]);
+        assert!(matches!(rows.bytes(), Cow::Borrowed(_)));
+        assert_eq!(rows.bytes().as_ref(), &expected[2 * 6 * 2..5 * 6 * 2]);
         // Converted only when asked for another dtype; the CPU backend gets f32.
         assert_eq!(
             w.bytes_as(DType::F32).as_ref(),

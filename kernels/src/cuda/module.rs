@@ -25,6 +25,7 @@ pub struct Functions {
     pub gather_rows: CudaFunction,
     pub add_bias: CudaFunction,
     pub fill: CudaFunction,
+    pub dummy_fill: CudaFunction,
     /// Indexed by head size (`HEAD_DIMS`).
     pub paged_attention: [CudaFunction; 4],
     pub paged_attention_combine: CudaFunction,
@@ -128,6 +129,7 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
         gather_rows: f("gather_rows")?,
         add_bias: f("add_bias")?,
         fill: f("fill")?,
+        dummy_fill: f("dummy_fill")?,
         paged_attention: head_dims("paged_attention")?,
         paged_attention_combine: f("paged_attention_combine")?,
         paged_attention_decode: [

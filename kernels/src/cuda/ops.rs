@@ -556,6 +556,39 @@ impl CudaOps {
         Ok(())
     }
 
+    /// Draws a region of a `--load-format dummy` tensor (see `dummy_fill` in copy.cu) into
+    /// `rows * cols` elements of `y` from element `at` on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dummy_fill(
+        &self,
+        y: &mut CudaSlice<u8>,
+        at: usize,
+        key: u64,
+        mean: f32,
+        scale: f32,
+        full_cols: usize,
+        (row0, col0): (usize, usize),
+        (rows, cols): (usize, usize),
+    ) -> Result<()> {
+        let n = rows * cols;
+        if n == 0 {
+            return Ok(());
+        }
+        self.check(y, at + n, "dummy_fill")?;
+        let (ptr, _guard) = y.device_ptr_mut(&self.stream);
+        let out = ptr + (at * self.dtype.size()) as u64;
+        let args = [full_cols, row0, col0, rows, cols].map(|v| v as i64);
+        let mut b = self.stream.launch_builder(&self.f.dummy_fill);
+        b.arg(&out).arg(&key).arg(&mean).arg(&scale);
+        for a in &args {
+            b.arg(a);
+        }
+        // SAFETY: elements at..at + n lie inside `y` (checked above).
+        unsafe { b.launch(grid_stride(n, self.num_sms)) }
+            .map_err(|e| driver_error("launching dummy_fill", e))?;
+        Ok(())
+    }
+
     /// Paged attention of q [T, Hq, D] over the caches, into out [T, Hq, D]: the decode
     /// kernel for the plan's one-token sequences, then the tile kernel for the rest.
     #[allow(clippy::too_many_arguments)]

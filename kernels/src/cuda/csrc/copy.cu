@@ -39,3 +39,34 @@ extern "C" __global__ void fill(scalar_t* __restrict__ y, long long n, float val
         y[i] = v;
     }
 }
+
+// `--load-format dummy` on the GPU: rows row0.. and columns col0.. of a seeded random
+// tensor whose rows are full_cols long, into out [rows, cols]. Element e (row-major in the
+// whole tensor) is draw (e % 16384) + 1 of the splitmix64 stream of block e / 16384, its
+// four 16-bit fields summed (Irwin-Hall), exactly as worker/src/weights/dummy.rs draws it:
+// the same integer hash and the same two f32 roundings (no fused multiply-add).
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void dummy_fill(scalar_t* __restrict__ out, unsigned long long key,
+                                      float mean, float scale, long long full_cols,
+                                      long long row0, long long col0, long long rows,
+                                      long long cols) {
+    const unsigned long long golden = 0x9E3779B97F4A7C15ull;
+    const long long n = rows * cols;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / cols;
+        const unsigned long long e =
+            (unsigned long long)((row0 + r) * full_cols + col0 + (i - r * cols));
+        const unsigned long long block = e >> 14;
+        const unsigned long long state = mix64((key ^ (block * 0xD1B54A32D192ED03ull)) + golden);
+        const unsigned long long x = mix64(state + ((e & 16383ull) + 1ull) * golden);
+        const unsigned long long sum =
+            (x & 0xFFFFull) + ((x >> 16) & 0xFFFFull) + ((x >> 32) & 0xFFFFull) + (x >> 48);
+        out[i] = from_f32(__fadd_rn(mean, __fmul_rn((float)sum - 131070.0f, scale)));
+    }
+}

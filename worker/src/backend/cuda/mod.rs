@@ -29,7 +29,7 @@ pub use tensor::{CudaInts, CudaTensor};
 use super::{Backend, StepMetadata};
 use crate::communicator::{Communicator, NcclCommunicator};
 use crate::sampler::seeded_uniform;
-use crate::weights::{HostTensor, WeightTensor};
+use crate::weights::{DummyRegion, HostTensor, WeightTensor};
 
 /// CUDA devices the driver reports; 0 without a driver (`--device auto`).
 pub fn device_count() -> usize {
@@ -196,6 +196,34 @@ impl CudaBackend {
             buf,
         })
     }
+
+    /// A dummy weight of `shape`, its `regions` (stacked by rows) drawn on the GPU.
+    fn draw_dummy(&self, shape: &[usize], regions: &[DummyRegion]) -> Result<CudaTensor> {
+        let numel: usize = shape.iter().product();
+        let mut buf = self.ops.alloc(numel.max(1))?;
+        let mut at = 0;
+        for r in regions {
+            self.ops.dummy_fill(
+                &mut buf,
+                at,
+                r.key,
+                r.mean,
+                r.scale,
+                r.full_cols,
+                (r.row0, r.col0),
+                (r.rows, r.cols),
+            )?;
+            at += r.rows * r.cols;
+        }
+        ensure!(
+            at == numel,
+            "dummy weight {shape:?}: regions hold {at} elements"
+        );
+        Ok(CudaTensor {
+            shape: shape.to_vec(),
+            buf,
+        })
+    }
 }
 
 impl Backend for CudaBackend {
@@ -224,7 +252,11 @@ impl Backend for CudaBackend {
     /// checkpoint's mmap, for an unsharded tensor); another dtype is converted on the host
     /// in parallel chunks first.
     fn upload_weight(&self, w: &WeightTensor) -> Result<CudaTensor> {
-        self.upload_bytes(&w.shape, &w.bytes_as(self.dtype))
+        match w.dummy_regions() {
+            // Drawn on the GPU: a 70B model's dummy shard in a second, not minutes.
+            Some(regions) if w.dtype == self.dtype => self.draw_dummy(&w.shape, regions),
+            _ => self.upload_bytes(&w.shape, &w.bytes_as(self.dtype)),
+        }
     }
 
     fn upload_ints(&self, data: &[i32]) -> Result<CudaInts> {

@@ -16,6 +16,7 @@ use vllm_protocol::SamplingParams;
 
 use super::{sampling, CudaBackend};
 use crate::backend::{Backend, CpuBackend, StepInputs};
+use crate::communicator::Communicator;
 use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
 use crate::layers::TensorParallel;
@@ -997,5 +998,175 @@ fn gpu_sampler_step_time() {
         }
         let ms = started.elapsed().as_secs_f64() * 1e3 / f64::from(iters);
         println!("SAMPLER-TIME {n} rows × {vocab}, {what}: {ms:.3} ms/step");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn dummy_weights_drawn_on_the_gpu_equal_the_host_draw() {
+    if !gpu_present() {
+        return;
+    }
+    for dtype in [DType::BF16, DType::F32] {
+        let gpu = CudaBackend::new(0, dtype).expect("cuda backend");
+        let weights = Weights::dummy(crate::weights::DUMMY_SEED, dtype);
+        let name = "model.layers.0.mlp.gate_proj.weight";
+        // Several 16,384-element blocks, a row shard, a column shard and a fused pair.
+        let full = weights.get(name, &[300, 1000]).expect("dummy");
+        let cases = [
+            full.clone(),
+            full.clone().narrow(0, 37, 200),
+            full.clone().narrow(1, 500, 500),
+            crate::weights::WeightTensor::cat_rows(vec![
+                full.clone().narrow(0, 0, 100),
+                weights
+                    .get("model.layers.0.mlp.up_proj.weight", &[300, 1000])
+                    .expect("dummy")
+                    .narrow(0, 150, 100),
+            ]),
+            weights.get("model.norm.weight", &[4096]).expect("dummy"),
+        ];
+        for (i, w) in cases.iter().enumerate() {
+            assert!(w.dummy_regions().is_some(), "case {i} stays lazy");
+            let on_gpu = gpu
+                .to_host(&gpu.upload_weight(w).expect("upload"))
+                .expect("to host");
+            assert_eq!(
+                on_gpu.data,
+                w.to_f32(),
+                "case {i} ({dtype:?}): GPU draw != host draw"
+            );
+        }
+    }
+}
+
+/// Runs `f(rank, backend)` on one thread per GPU, the backends joined in one NCCL group.
+fn on_gpus<T: Send>(n: usize, f: impl Fn(usize, &CudaBackend) -> T + Sync) -> Vec<T> {
+    let id = crate::communicator::NcclCommunicator::unique_id().expect("NCCL unique id");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let (f, id) = (&f, &id);
+                s.spawn(move || {
+                    let mut b = CudaBackend::new(rank as u32, DType::BF16).expect("backend");
+                    b.join_group(id, rank as u32, n as u32).expect("join");
+                    f(rank, &b)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
+}
+
+/// Values that differ per rank and element, exact in bf16 and in their sums.
+fn rank_values(rank: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7 + rank * 5) % 61) as f32 * 0.25 - 7.0)
+        .collect()
+}
+
+fn gpus_for_collectives() -> Option<usize> {
+    let n = libs::device_count();
+    if n >= 2 {
+        return Some(n.min(8));
+    }
+    assert!(
+        std::env::var_os("VLLM_REQUIRE_GPUS").is_none(),
+        "VLLM_REQUIRE_GPUS is set but {n} GPU(s) are usable"
+    );
+    eprintln!("SKIPPED: NCCL collectives need 2 GPUs, found {n}");
+    None
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs: scripts/gpu_round.sh runs it with --ignored"]
+fn nccl_collectives_match_the_host() {
+    let Some(n) = gpus_for_collectives() else {
+        return;
+    };
+    let len = 3 * 4096 + 5;
+    let results = on_gpus(n, |rank, b| {
+        let comm = b.communicator().expect("joined");
+        let mut x = b
+            .upload(&HostTensor::new(vec![1, len], rank_values(rank, len)))
+            .expect("up");
+        comm.all_reduce(&mut x).expect("all-reduce");
+        let g = comm
+            .all_gather(
+                &b.upload(&HostTensor::new(vec![1, 3], vec![rank as f32; 3]))
+                    .expect("up"),
+            )
+            .expect("all-gather");
+        let mut c = b
+            .upload(&HostTensor::new(vec![4], vec![rank as f32 + 1.0; 4]))
+            .expect("up");
+        comm.broadcast(&mut c, n - 1).expect("broadcast");
+        (
+            b.to_host(&x).expect("x").data,
+            b.to_host(&g).expect("g").data,
+            b.to_host(&c).expect("c").data,
+        )
+    });
+    let sum: Vec<f32> = (0..len)
+        .map(|i| (0..n).map(|r| rank_values(r, len)[i]).sum())
+        .collect();
+    let gathered: Vec<f32> = (0..n).flat_map(|r| [r as f32; 3]).collect();
+    for (rank, (x, g, c)) in results.iter().enumerate() {
+        assert_eq!(x, &sum, "rank {rank}: all-reduce");
+        assert_eq!(g, &gathered, "rank {rank}: all-gather");
+        assert_eq!(
+            c,
+            &vec![n as f32; 4],
+            "rank {rank}: broadcast from the last rank"
+        );
+    }
+    println!("NCCL-CHECK {n} GPUs: all-reduce, all-gather, broadcast equal the host");
+}
+
+/// All-reduce latency at the model's message sizes (hidden 4096 bf16 × tokens), through
+/// the communicator the model uses, as `BENCH allreduce` lines.
+#[test]
+#[ignore = "needs 2 CUDA GPUs: scripts/gpu_round.sh runs it with --ignored"]
+fn nccl_all_reduce_bench() {
+    let Some(n) = gpus_for_collectives() else {
+        return;
+    };
+    let hidden = 4096;
+    let rows = on_gpus(n, |rank, b| {
+        let comm = b.communicator().expect("joined");
+        let mut out = Vec::new();
+        for tokens in [1usize, 8, 32, 128, 256, 1024, 4096] {
+            let mut x = b
+                .upload(&HostTensor::new(
+                    vec![tokens, hidden],
+                    rank_values(rank, tokens * hidden),
+                ))
+                .expect("upload");
+            for _ in 0..20 {
+                comm.all_reduce(&mut x).expect("warm-up");
+            }
+            b.dev.synchronize().expect("sync");
+            let iters = if tokens <= 256 { 500 } else { 100 };
+            let t = std::time::Instant::now();
+            for _ in 0..iters {
+                comm.all_reduce(&mut x).expect("all-reduce");
+            }
+            b.dev.synchronize().expect("sync");
+            out.push((tokens, t.elapsed().as_secs_f64() / iters as f64));
+        }
+        out
+    });
+    for (i, &(tokens, _)) in rows[0].iter().enumerate() {
+        let secs = rows.iter().map(|r| r[i].1).fold(0.0, f64::max);
+        let bytes = (tokens * hidden * 2) as f64;
+        // nccl-tests' bus bandwidth of an all-reduce: bytes · 2(n-1)/n over the time.
+        let busbw = bytes * 2.0 * (n - 1) as f64 / n as f64 / secs / 1e9;
+        println!(
+            "BENCH allreduce ranks={n} tokens={tokens} bytes={bytes:.0} time={:.2}us busbw={busbw:.1}GB/s",
+            secs * 1e6
+        );
     }
 }

@@ -28,7 +28,7 @@ impl AsyncLLM {
     /// Loads the tokenizer, then starts the engine-core and its workers.
     pub async fn start(args: &EngineArgs) -> anyhow::Result<Self> {
         args.validate()?;
-        let tokenizer = Tokenizer::from_model_dir(&args.model)?;
+        let tokenizer = Tokenizer::from_model_dir(args.tokenizer_path())?;
         let eos_token_ids = eos_token_ids(&args.model, &tokenizer);
         let client = EngineCoreClient::start(args.engine_core_config(vllm_rs_exe()?)?).await?;
         let metrics = Arc::new(Metrics::new(args.served_model_names()[0].clone()));

@@ -54,7 +54,11 @@ pub fn permuted_heads(hf: &str, n_head: usize, n_head_kv: usize) -> Option<usize
 /// with axes 1 and 2 swapped); this puts each row back.
 pub fn unpermute_rows(data: &[u8], row_bytes: usize, heads: usize) -> Result<Vec<u8>, String> {
     let rows = data.len() / row_bytes.max(1);
-    if heads == 0 || row_bytes == 0 || !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
+    if heads == 0
+        || row_bytes == 0
+        || !rows.is_multiple_of(heads)
+        || !(rows / heads).is_multiple_of(2)
+    {
         return Err(format!(
             "cannot undo the q/k permutation of {rows} rows over {heads} heads"
         ));

@@ -164,3 +164,147 @@ fn chat_templates(file: &GgufFile) -> Vec<ChatTemplate> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use vllm_worker::weights::gguf::GgufWriter;
+
+    use crate::tokenizer::tests::{load, model_dir};
+    use crate::tokenizer::Tokenizer;
+
+    use super::*;
+
+    /// Writes the tokenizer of a Hugging Face folder as llama.cpp's converter would:
+    /// tokens by id, types (control for special added tokens, user-defined for the other
+    /// added ones), merges as "a b", bos/eos ids and the chat template.
+    fn convert(hf: &Tokenizer, dir: &Path, pre: &str, add_bos: bool, out: &Path) {
+        let json: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        let n = hf.vocab_size();
+        let mut types = vec![1i32; n];
+        for t in json["added_tokens"].as_array().unwrap() {
+            let id = t["id"].as_u64().unwrap() as usize;
+            types[id] = if t["special"].as_bool().unwrap() {
+                3
+            } else {
+                4
+            };
+        }
+        let merges = json["model"]["merges"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| match m {
+                Value::String(s) => s.clone(),
+                pair => format!(
+                    "{} {}",
+                    pair[0].as_str().unwrap(),
+                    pair[1].as_str().unwrap()
+                ),
+            });
+        let s = |v: String| MetadataValue::String(v);
+        let mut w = GgufWriter::new();
+        w.meta("tokenizer.ggml.model", s("gpt2".into()))
+            .meta("tokenizer.ggml.pre", s(pre.into()))
+            .meta(
+                "tokenizer.ggml.tokens",
+                MetadataValue::Array(
+                    (0..n as u32)
+                        .map(|i| s(hf.id_to_token(i).unwrap_or_else(|| format!("[PAD{i}]"))))
+                        .collect(),
+                ),
+            )
+            .meta(
+                "tokenizer.ggml.token_type",
+                MetadataValue::Array(types.into_iter().map(MetadataValue::I32).collect()),
+            )
+            .meta(
+                "tokenizer.ggml.merges",
+                MetadataValue::Array(merges.map(s).collect()),
+            )
+            .meta("tokenizer.ggml.add_bos_token", MetadataValue::Bool(add_bos))
+            .meta(
+                "tokenizer.ggml.eos_token_id",
+                MetadataValue::U32(hf.eos_token_id().unwrap()),
+            )
+            .meta(
+                "tokenizer.chat_template",
+                s(hf.chat_template(None).unwrap().into()),
+            );
+        if let Some(bos) = hf.bos_token_id() {
+            w.meta("tokenizer.ggml.bos_token_id", MetadataValue::U32(bos));
+        }
+        w.write(out).unwrap();
+    }
+
+    const TEXTS: &[&str] = &[
+        "Hello world",
+        "  leading and trailing spaces  ",
+        "Numbers: 12345 and 3.14159, year 2024!",
+        "naïve café — 東京 🚀 Привет",
+        "tabs\tand\nnewlines\n\n  indented\r\n",
+        "DON'T won't I'm you're they'll",
+        "def f(x):\n    return x**2  # comment",
+    ];
+
+    #[test]
+    fn rebuilt_tokenizers_encode_like_their_tokenizer_json() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, pre, add_bos, special) in [
+            (
+                "Qwen2.5-0.5B-Instruct",
+                "qwen2",
+                false,
+                "<|im_start|>user\nHi<|im_end|>",
+            ),
+            (
+                "Llama-3.2-1B-Instruct",
+                "llama-bpe",
+                true,
+                "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",
+            ),
+        ] {
+            let hf = load(name);
+            let path = dir.path().join(format!("{name}.gguf"));
+            convert(&hf, &model_dir(name), pre, add_bos, &path);
+            let tok = Tokenizer::from_model_dir(&path).unwrap();
+            for text in TEXTS.iter().chain([&special]) {
+                for add_special in [false, true] {
+                    assert_eq!(
+                        tok.encode(text, add_special).unwrap(),
+                        hf.encode(text, add_special).unwrap(),
+                        "{name}: {text:?} (add_special_tokens {add_special})"
+                    );
+                }
+            }
+            assert_eq!(tok.vocab_size(), hf.vocab_size());
+            assert_eq!(tok.eos_token(), hf.eos_token(), "{name}");
+            assert_eq!(tok.bos_token_id(), hf.bos_token_id(), "{name}");
+            assert_eq!(tok.special_token_ids(), hf.special_token_ids(), "{name}");
+            assert_eq!(tok.chat_template(None), hf.chat_template(None));
+        }
+    }
+
+    #[test]
+    fn unsupported_tokenizers_are_one_line_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let mut w = GgufWriter::new();
+        w.meta(
+            "tokenizer.ggml.model",
+            MetadataValue::String("llama".into()),
+        );
+        w.write(&path).unwrap();
+        let e = Tokenizer::from_gguf(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("unsupported GGUF tokenizer model `llama`"),
+            "{e}"
+        );
+        assert!(e.contains("--tokenizer DIR") && !e.contains('\n'), "{e}");
+        let e = pre_tokenizer("tekken").unwrap_err().to_string();
+        assert!(e.contains("unsupported GGUF pre-tokenizer `tekken`"), "{e}");
+    }
+}

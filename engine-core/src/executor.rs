@@ -9,8 +9,8 @@ use anyhow::{anyhow, bail, Context};
 use bytes::Bytes;
 use tokio::sync::mpsc;
 use vllm_protocol::{
-    DistributedInit, InitializeKvCache, ModelRunnerOutput, SchedulerOutput, WorkerEvent,
-    WorkerInput, WorkerProfile, PROTOCOL_VERSION,
+    DistributedInit, InitializeKvCache, ModelRunnerOutput, SchedulerOutput, WorkerEvent, WorkerInput, WorkerProfile,
+    PROTOCOL_VERSION,
 };
 use zeromq::{PullSocket, RouterRecvHalf, RouterSendHalf, RouterSocket, Socket};
 

@@ -330,10 +330,7 @@ impl DeviceRunner {
     /// is the CPU runner's business (which refuses what it does not know).
     pub fn load(cfg: &WorkerConfig, group: &GroupInit) -> Result<Self> {
         match cfg.device.as_str() {
-            "cuda" => Ok(Self::Cuda(Box::new(ModelRunner::load_cuda(
-                cfg,
-                Some(group),
-            )?))),
+            "cuda" => Ok(Self::Cuda(Box::new(ModelRunner::load_cuda(cfg, Some(group))?))),
             _ => Ok(Self::Cpu(Box::new(ModelRunner::load_in_group(
                 cfg,
                 Some(group),

@@ -70,9 +70,7 @@ async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
             WorkerInput::Execute(so) => {
                 watchdog.begin(so.step_id);
                 let out = runner.execute_model(&so);
-                watchdog
-                    .end()
-                    .with_context(|| format!("step {}", so.step_id))?;
+                watchdog.end().with_context(|| format!("step {}", so.step_id))?;
                 let out = out.with_context(|| format!("step {}", so.step_id))?;
                 if args.rank == 0 {
                     sockets.send(&WorkerEvent::Output(out)).await?;
@@ -95,9 +93,7 @@ async fn join_group(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<
             _ => None,
         };
         sockets
-            .send(&WorkerEvent::DistributedInit(DistributedInit {
-                nccl_unique_id,
-            }))
+            .send(&WorkerEvent::DistributedInit(DistributedInit { nccl_unique_id }))
             .await?;
     }
     let init = match sockets.recv().await? {

@@ -159,14 +159,13 @@ impl Nccl {
         }
         // SAFETY: NCCL returns a static string for every result code.
         let text = unsafe { CStr::from_ptr((self.error_string)(code)) };
-        bail!(
-            "NCCL {what} failed: {} (code {code})",
-            text.to_string_lossy()
-        )
+        bail!("NCCL {what} failed: {} (code {code})", text.to_string_lossy())
     }
 
     pub fn unique_id(&self) -> Result<UniqueId> {
-        let mut id = UniqueId { internal: [0; 128] };
+        let mut id = UniqueId {
+            internal: [0; 128],
+        };
         // SAFETY: writes one ncclUniqueId.
         self.check("ncclGetUniqueId", unsafe { (self.get_unique_id)(&mut id) })?;
         Ok(id)
@@ -177,8 +176,7 @@ impl Nccl {
     pub fn comm_init_rank(&self, id: UniqueId, rank: usize, world_size: usize) -> Result<RawComm> {
         let mut comm: RawComm = std::ptr::null_mut();
         // SAFETY: writes one ncclComm_t.
-        let code =
-            unsafe { (self.comm_init_rank)(&mut comm, world_size as c_int, id, rank as c_int) };
+        let code = unsafe { (self.comm_init_rank)(&mut comm, world_size as c_int, id, rank as c_int) };
         self.check("ncclCommInitRank", code)?;
         Ok(comm)
     }

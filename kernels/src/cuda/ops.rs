@@ -9,7 +9,8 @@ use std::sync::Arc;
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig,
+    PushKernelArg,
 };
 
 use super::attention_plan::{

@@ -86,10 +86,9 @@ impl NcclCommunicator {
     ) -> Result<Self> {
         let nccl = Nccl::get()?;
         let id = UniqueId::from_bytes(unique_id)?;
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| anyhow::anyhow!("binding the CUDA context before joining NCCL: {e:?}"))?;
+        stream.context().bind_to_thread().map_err(|e| {
+            anyhow::anyhow!("binding the CUDA context before joining NCCL: {e:?}")
+        })?;
         let comm = nccl.comm_init_rank(id, rank, world_size)?;
         tracing::info!(
             rank,
@@ -161,33 +160,17 @@ impl Communicator for NcclCommunicator {
             let (src, _g0) = x.buf.device_ptr(&self.stream);
             let (dst, _g1) = buf.device_ptr_mut(&self.stream);
             // SAFETY: src holds n elements, dst n · world_size, both on this stream.
-            unsafe {
-                nccl.all_gather(src, dst, n, nccl_type(self.dtype), comm, self.raw_stream())?
-            };
+            unsafe { nccl.all_gather(src, dst, n, nccl_type(self.dtype), comm, self.raw_stream())? };
         }
         Ok(CudaTensor { shape, buf })
     }
 
     fn broadcast(&self, x: &mut CudaTensor, root: usize) -> Result<()> {
-        ensure!(
-            root < self.world_size,
-            "broadcast from rank {root} of {}",
-            self.world_size
-        );
+        ensure!(root < self.world_size, "broadcast from rank {root} of {}", self.world_size);
         let (nccl, comm) = self.live()?;
         let n = x.numel();
         let (p, _g) = x.buf.device_ptr_mut(&self.stream);
         // SAFETY: in place over `x`'s n elements, on its stream.
-        unsafe {
-            nccl.broadcast(
-                p,
-                p,
-                n,
-                nccl_type(self.dtype),
-                root,
-                comm,
-                self.raw_stream(),
-            )
-        }
+        unsafe { nccl.broadcast(p, p, n, nccl_type(self.dtype), root, comm, self.raw_stream()) }
     }
 }

@@ -165,11 +165,7 @@ impl ShmCommunicator {
 
     /// `x` becomes rank `root`'s `x`.
     pub fn broadcast_f32(&self, x: &mut [f32], root: usize) -> Result<()> {
-        ensure!(
-            root < self.world_size,
-            "broadcast from rank {root} of {}",
-            self.world_size
-        );
+        ensure!(root < self.world_size, "broadcast from rank {root} of {}", self.world_size);
         for chunk in x.chunks_mut(SLOT_ELEMS) {
             if self.rank == root {
                 self.write_own_slot(chunk);

@@ -38,7 +38,10 @@ fn a_missing_model_is_a_one_line_error() {
         .expect("run");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("no such model directory"), "{stderr}");
+    assert!(
+        stderr.contains("no such model file or directory"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 

@@ -2,13 +2,14 @@
 //! names and defaults, and their translation into the configs each process is started
 //! with. Built once from the command line and passed down; nothing reads flags later.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::bail;
 use clap::{Args, ValueEnum};
 use vllm_engine_core::config::EngineCoreConfig;
 use vllm_engine_core::scheduler::{SchedulerConfig, SchedulingPolicy};
 use vllm_worker::config::AttentionBackend;
+use vllm_worker::model_path::ModelPath;
 use vllm_worker::model_runner::WorkerConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -49,9 +50,14 @@ pub enum Policy {
 
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// Hugging Face model folder: config.json, *.safetensors, tokenizer.json.
+    /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a GGUF
+    /// file, or a folder holding one .gguf file and no config.json.
     #[arg(long)]
     pub model: PathBuf,
+    /// Folder of the tokenizer files (tokenizer.json, tokenizer_config.json) to use instead
+    /// of the model's (default: the --model folder, or the GGUF file's own tokenizer).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
     /// Model name(s) the API answers to (default: the --model path).
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
@@ -142,6 +148,12 @@ impl EngineArgs {
         }
     }
 
+    /// Where the tokenizer comes from: `--tokenizer`, else the model (its folder, or the
+    /// GGUF file's metadata).
+    pub fn tokenizer_path(&self) -> &Path {
+        self.tokenizer.as_deref().unwrap_or(&self.model)
+    }
+
     pub fn served_model_names(&self) -> Vec<String> {
         if self.served_model_name.is_empty() {
             vec![self.model.display().to_string()]
@@ -152,8 +164,9 @@ impl EngineArgs {
 
     /// Checks the flags that no process would check before it is too late to say so well.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if !self.model.is_dir() {
-            bail!("--model {}: no such model directory", self.model.display());
+        ModelPath::resolve(&self.model).map_err(anyhow::Error::msg)?;
+        if let Some(dir) = self.tokenizer.as_ref().filter(|d| !d.is_dir()) {
+            bail!("--tokenizer {}: no such directory", dir.display());
         }
         if self.tensor_parallel_size == 0 {
             bail!("--tensor-parallel-size must be at least 1");

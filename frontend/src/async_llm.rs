@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use vllm_protocol::{EngineCoreRequest, SamplingParams};
+use vllm_worker::model_path::ModelPath;
+use vllm_worker::weights::gguf::GgufFile;
 
 use crate::args::EngineArgs;
 use crate::engine_client::{vllm_rs_exe, EngineCoreClient};
@@ -28,7 +30,7 @@ impl AsyncLLM {
     /// Loads the tokenizer, then starts the engine-core and its workers.
     pub async fn start(args: &EngineArgs) -> anyhow::Result<Self> {
         args.validate()?;
-        let tokenizer = Tokenizer::from_model_dir(&args.model)?;
+        let tokenizer = Tokenizer::from_model_dir(args.tokenizer_path())?;
         let eos_token_ids = eos_token_ids(&args.model, &tokenizer);
         let client = EngineCoreClient::start(args.engine_core_config(vllm_rs_exe()?)?).await?;
         let metrics = Arc::new(Metrics::new(args.served_model_names()[0].clone()));
@@ -77,9 +79,16 @@ impl AsyncLLM {
 }
 
 /// Collects eos ids from the tokenizer, config.json and generation_config.json (either may
-/// hold one id or a list).
+/// hold one id or a list), or a GGUF model's eos and eot ids.
 fn eos_token_ids(model_dir: &Path, tokenizer: &Tokenizer) -> Vec<u32> {
     let mut ids: Vec<u32> = tokenizer.eos_token_id().into_iter().collect();
+    if let Ok(ModelPath::Gguf(path)) = ModelPath::resolve(model_dir) {
+        if let Ok(file) = GgufFile::open(&path) {
+            for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
+                ids.extend(file.get_u64(key).map(|v| v as u32));
+            }
+        }
+    }
     for file in ["config.json", "generation_config.json"] {
         let Ok(text) = std::fs::read_to_string(model_dir.join(file)) else {
             continue;

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod detokenizer;
 pub mod engine_client;
 pub mod generate;
+mod gguf_tokenizer;
 pub mod metrics;
 pub mod output_processor;
 pub mod server;

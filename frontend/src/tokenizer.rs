@@ -1,6 +1,7 @@
 //! The model's tokenizer: `tokenizer.json` through the `tokenizers` crate, plus the facts of
 //! `tokenizer_config.json` the frontend needs (eos/bos tokens, `add_bos_token`, the raw
-//! chat template strings, kept for the chat templating code).
+//! chat template strings, kept for the chat templating code); or, for a GGUF model, the
+//! same rebuilt from the file's metadata (`gguf_tokenizer`).
 //!
 //! Cheap to clone: the loaded tokenizer sits behind an `Arc`, so every request's
 //! detokenizer can hold one.
@@ -11,6 +12,8 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context};
 use serde_json::Value;
+use vllm_worker::model_path::ModelPath;
+use vllm_worker::weights::gguf::GgufFile;
 
 /// A chat template from `tokenizer_config.json` (or `chat_template.jinja`), unrendered.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,17 +47,21 @@ impl std::fmt::Debug for Tokenizer {
 
 /// The parts of `tokenizer_config.json` we read.
 #[derive(Debug, Default)]
-struct TokenizerConfig {
-    eos_token: Option<String>,
-    bos_token: Option<String>,
-    add_bos_token: Option<bool>,
-    chat_templates: Vec<ChatTemplate>,
+pub(crate) struct TokenizerConfig {
+    pub(crate) eos_token: Option<String>,
+    pub(crate) bos_token: Option<String>,
+    pub(crate) add_bos_token: Option<bool>,
+    pub(crate) chat_templates: Vec<ChatTemplate>,
 }
 
 impl Tokenizer {
     /// Loads `tokenizer.json` and, when present, `tokenizer_config.json` and
-    /// `chat_template.jinja` from a Hugging Face model folder.
+    /// `chat_template.jinja` from a Hugging Face model folder; or the tokenizer in the
+    /// metadata of the GGUF file that `dir` names (`ModelPath`).
     pub fn from_model_dir(dir: &Path) -> anyhow::Result<Tokenizer> {
+        if let Ok(ModelPath::Gguf(file)) = ModelPath::resolve(dir) {
+            return Self::from_gguf(&file);
+        }
         let json_path = dir.join("tokenizer.json");
         if !json_path.is_file() {
             bail!("no tokenizer.json in {}", dir.display());
@@ -71,6 +78,13 @@ impl Tokenizer {
                 template,
             });
         }
+        Ok(Self::new(inner, config))
+    }
+
+    /// The tokenizer of GGUF file `path`, from its metadata.
+    pub fn from_gguf(path: &Path) -> anyhow::Result<Tokenizer> {
+        let file = GgufFile::open(path)?;
+        let (inner, config) = crate::gguf_tokenizer::from_gguf(&file)?;
         Ok(Self::new(inner, config))
     }
 

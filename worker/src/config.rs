@@ -1,11 +1,15 @@
 //! `ModelConfig`: the facts of a Hugging Face `config.json` the model needs, parsed from
 //! both forms found in the wild: the older one (top-level `rope_theta`, `rope_scaling`,
-//! `torch_dtype`) and transformers 5's (`rope_parameters`, `dtype`, `layer_types`).
+//! `torch_dtype`) and transformers 5's (`rope_parameters`, `dtype`, `layer_types`). A GGUF
+//! model's config comes from its metadata instead (`weights::gguf`).
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use vllm_kernels::cpu::Llama3RopeScaling;
+
+use crate::model_path::ModelPath;
+use crate::weights::gguf::GgufFile;
 
 /// The architectures this worker runs: one Llama-family decoder with small variations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +110,9 @@ pub enum ConfigError {
     MissingField(&'static str),
     #[error("config.json: {0}")]
     Invalid(String),
+    /// A GGUF file that cannot be read, or whose metadata does not describe a model we run.
+    #[error("{0}")]
+    Gguf(String),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -193,8 +200,13 @@ fn parse_rope(v: &Value) -> Result<(f64, Option<Llama3RopeScaling>), ConfigError
 }
 
 impl ModelConfig {
-    /// Reads `<dir>/config.json`.
+    /// Reads `<dir>/config.json`, or the metadata of the GGUF file `dir` names
+    /// (`ModelPath`).
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
+        if let Ok(ModelPath::Gguf(file)) = ModelPath::resolve(dir) {
+            let gguf = GgufFile::open(&file).map_err(|e| ConfigError::Gguf(format!("{e:#}")))?;
+            return Self::from_gguf(&gguf);
+        }
         if !dir.is_dir() {
             return Err(ConfigError::MissingDir(dir.to_path_buf()));
         }

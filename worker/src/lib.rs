@@ -6,6 +6,7 @@ pub mod config;
 pub mod input_batch;
 pub mod kv_cache;
 pub mod layers;
+pub mod model_path;
 pub mod model_runner;
 pub mod models;
 pub mod reference;

@@ -1,6 +1,8 @@
 //! Weight loading: `*.safetensors` through mmap, one file or shards listed by
-//! `model.safetensors.index.json` (bf16, f16 and f32 tensors), or random "dummy" weights
-//! (`--load-format dummy`) generated from the names and shapes the model asks for.
+//! `model.safetensors.index.json` (bf16, f16 and f32 tensors), a GGUF file (`gguf`:
+//! llama.cpp names and quantizations, mapped to Hugging Face names and dequantized), or
+//! random "dummy" weights (`--load-format dummy`) generated from the names and shapes the
+//! model asks for.
 //!
 //! A weight stays in its checkpoint dtype as raw little-endian bytes (`WeightTensor`),
 //! borrowed from the mmap until a shard is narrowed or fused; the backend converts it only
@@ -9,6 +11,7 @@
 //! rotary tables, test data, `Backend::to_host`.
 
 mod dummy;
+pub mod gguf;
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -22,6 +25,7 @@ use safetensors::{Dtype, SafeTensors};
 use vllm_kernels::cuda::dtype::par_blocks;
 
 pub use crate::config::LoadFormat;
+use crate::model_path::ModelPath;
 pub use dummy::{DummyRegion, DUMMY_SEED};
 pub use vllm_kernels::cuda::DType;
 
@@ -257,7 +261,8 @@ impl<'a> WeightTensor<'a> {
 }
 
 /// Where the model's weights come from: the memory-mapped safetensors files of one
-/// checkpoint (and where each tensor lives), or a seeded generator (`--load-format dummy`).
+/// checkpoint (and where each tensor lives), a GGUF file, or a seeded generator
+/// (`--load-format dummy`).
 pub struct Weights {
     source: Source,
 }
@@ -269,6 +274,8 @@ enum Source {
     },
     /// Every tensor asked for, generated in `dtype` from `seed` and its name.
     Dummy { seed: u64, dtype: DType },
+    /// A GGUF file, read under Hugging Face names.
+    Gguf(gguf::GgufWeights),
 }
 
 fn map_file(path: &Path) -> Result<Mmap> {
@@ -279,11 +286,19 @@ fn map_file(path: &Path) -> Result<Mmap> {
 }
 
 impl Weights {
-    /// The weights of `dir` in `format`: the checkpoint's safetensors (`auto`,
-    /// `safetensors`), or random ones generated in `dtype` (`dummy`, which reads no file).
+    /// The weights of `dir` in `format`: the checkpoint's safetensors or GGUF file
+    /// (`auto`), its safetensors (`safetensors`), or random ones generated in `dtype`
+    /// (`dummy`, which reads no file).
     pub fn load(dir: &Path, format: LoadFormat, dtype: DType) -> Result<Self> {
         match format {
-            LoadFormat::Auto | LoadFormat::Safetensors => Self::open(dir),
+            LoadFormat::Auto => Self::open(dir),
+            LoadFormat::Safetensors => match ModelPath::resolve(dir) {
+                Ok(ModelPath::Gguf(file)) => bail!(
+                    "--load-format safetensors, but the model is the GGUF file {} (use auto)",
+                    file.display()
+                ),
+                _ => Self::open_safetensors(dir),
+            },
             LoadFormat::Dummy => Ok(Self::dummy(DUMMY_SEED, dtype)),
         }
     }
@@ -296,9 +311,19 @@ impl Weights {
         }
     }
 
+    /// Opens the GGUF file `dir` names (`ModelPath`), else the folder's safetensors.
+    pub fn open(dir: &Path) -> Result<Self> {
+        match ModelPath::resolve(dir) {
+            Ok(ModelPath::Gguf(file)) => Ok(Self {
+                source: Source::Gguf(gguf::GgufWeights::open(&file)?),
+            }),
+            _ => Self::open_safetensors(dir),
+        }
+    }
+
     /// Opens `model.safetensors`, or the shards named by `model.safetensors.index.json`,
     /// or else every `*.safetensors` in `dir`.
-    pub fn open(dir: &Path) -> Result<Self> {
+    pub fn open_safetensors(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index.is_file() {
             let text = std::fs::read_to_string(&index)
@@ -356,6 +381,7 @@ impl Weights {
         match &self.source {
             Source::Checkpoint { location, .. } => location.contains_key(name),
             Source::Dummy { .. } => true,
+            Source::Gguf(g) => g.contains(name),
         }
     }
 
@@ -367,6 +393,7 @@ impl Weights {
             &Source::Dummy { seed, dtype } => {
                 return Ok(dummy::generate(seed, name, expected_shape, dtype))
             }
+            Source::Gguf(g) => return g.get(name, expected_shape),
         };
         let &file = location
             .get(name)

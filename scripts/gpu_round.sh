@@ -225,6 +225,17 @@ tp_serve() {
             grep -a -E "ERROR|error" "$LOG/tp2-$preset.err" | head -5
         fi
     done
+    # More ranks than GPUs: startup fails with the rank's own error, and nothing is left.
+    local gpus
+    gpus=$(nvidia-smi -L | wc -l)
+    if timeout 120 "$BIN" generate --model "$MODELS/tiny-qwen3" --device cuda -t $((gpus * 2)) \
+        --prompt "Hi" --max-tokens 2 >/dev/null 2>"$LOG/tp-too-many.err"; then
+        echo "DIFFER TP=$((gpus * 2)) on $gpus GPUs started"
+    else
+        echo "TP=$((gpus * 2)) on $gpus GPUs: $(grep -a -m1 -o 'worker rank [0-9]*:.*' "$LOG/tp-too-many.err" | cut -c1-200)"
+    fi
+    sleep 1
+    echo "processes left: $(pgrep -c -f "$BIN" || true)"
 }
 
 # Batch-1 decode of the Qwen3-8B shape at TP=1 and TP=2 (dummy weights drawn on the GPU).

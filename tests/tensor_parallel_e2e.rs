@@ -103,6 +103,49 @@ async fn qwen2_with_biases_at_tp4_matches_tp1() {
     }
 }
 
+/// The trained SmolLM2-135M-Instruct (9 heads, 3 KV heads, a 49,152-token vocabulary) at
+/// TP=3 gives TP=1's greedy text on 8 prompts.
+#[tokio::test(flavor = "multi_thread")]
+async fn smollm2_at_tp3_answers_like_tp1() {
+    let model = common::smollm2_gguf();
+    let prompts = [
+        "The capital of France is",
+        "Water boils at a temperature of",
+        "def fibonacci(n):",
+        "The three primary colors are",
+        "Once upon a time, in a small village,",
+        "The largest planet in the solar system is",
+        "To make a cup of tea, first",
+        "1, 2, 3, 4, 5,",
+    ];
+    let mut texts = Vec::new();
+    for tp in ["1", "3"] {
+        let server = Server::start_with_model(&model, &["--device", "cpu", "-t", tp]);
+        // One request of 8 prompts: every run schedules them alike, in one batch.
+        let body = json!({"prompt": prompts, "max_tokens": 24, "temperature": 0.0});
+        let (status, body) = post_json(&server, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "TP={tp}: {body}");
+        let mut run = vec![String::new(); prompts.len()];
+        for choice in body["choices"].as_array().expect("choices") {
+            let i = choice["index"].as_u64().expect("index") as usize;
+            run[i] = choice["text"].as_str().unwrap_or("").to_string();
+        }
+        texts.push(run);
+    }
+    assert!(
+        texts[0][0].starts_with(" Paris"),
+        "a trained model: {:?}",
+        texts[0]
+    );
+    for (i, (one, three)) in texts[0].iter().zip(&texts[1]).enumerate() {
+        assert_eq!(
+            one, three,
+            "prompt {i} ({:?}): TP=3 differs from TP=1",
+            prompts[i]
+        );
+    }
+}
+
 #[test]
 fn a_size_that_does_not_divide_the_heads_fails_at_startup_naming_both() {
     let mut server = Server::spawn(common::tiny_model(), &["--device", "cpu", "-t", "3"], &[]);

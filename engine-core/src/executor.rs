@@ -228,10 +228,27 @@ impl Executor {
     }
 
     async fn broadcast(&mut self, msg: &WorkerInput) -> anyhow::Result<()> {
-        for id in &self.identities {
-            send_to(&mut self.to_workers, id, msg).await?;
+        for rank in 0..self.identities.len() {
+            if let Err(e) = send_to(&mut self.to_workers, &self.identities[rank], msg).await {
+                return Err(self.unreachable(rank, e).await);
+            }
         }
         Ok(())
+    }
+
+    /// Why rank `rank` could not be sent to. The socket forgets a peer as soon as it
+    /// disconnects, often before the process watcher sees the exit: wait a moment for the
+    /// watcher, whose report names the process and how it died.
+    async fn unreachable(&mut self, rank: usize, e: anyhow::Error) -> anyhow::Error {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while let Ok(Some(event)) = tokio::time::timeout_at(deadline, self.events.recv()).await {
+            match event {
+                ExecutorEvent::Died(why) => return anyhow!(self.last_words(why).await),
+                ExecutorEvent::Worker(WorkerEvent::Failed(why)) => return anyhow!(why),
+                _ => {}
+            }
+        }
+        anyhow!("worker rank {rank} cannot be reached: {e:#}")
     }
 
     /// The next event, with a worker's death or failure turned into an error.

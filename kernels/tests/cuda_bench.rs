@@ -143,7 +143,6 @@ fn sampling(dev: &CudaDevice, ops: &CudaOps) {
             top_p: 1.0,
             min_p: 0.0,
             uniform: 0.37,
-            ..Default::default()
         });
         let rows = vec![row; SEQS];
         let batch = SamplingBatch::plain(&rows);

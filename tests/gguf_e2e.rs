@@ -1,7 +1,9 @@
 //! End-to-end tests of a real GGUF model, SmolLM2-135M-Instruct in Q4_1 (`smollm2_gguf`):
 //! its tokenizer rebuilt from the metadata against ids computed once in Python
 //! (`scripts/gguf_tokenizer_reference.py`), and `vllm-rs serve --model FILE.gguf` on the
-//! CPU answering completions and ChatML chat requests sensibly.
+//! CPU answering completions and ChatML chat requests sensibly, and its greedy
+//! continuations equal, token for token, those of Hugging Face transformers on the same
+//! dequantized weights in f32 (`scripts/smollm2_reference.py`).
 
 mod common;
 
@@ -44,6 +46,85 @@ fn the_gguf_tokenizer_matches_the_reference_ids() {
     assert!(tok
         .chat_template(None)
         .is_some_and(|t| t.contains("<|im_start|>")));
+}
+
+/// The cases of `tests/data/smollm2_reference_ids.json`: (prompt, prompt ids, output ids).
+fn reference_continuations() -> Vec<(String, Vec<u32>, Vec<u32>)> {
+    let data = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/data/smollm2_reference_ids.json"),
+    )
+    .expect("reference continuations");
+    let v: Value = serde_json::from_str(&data).expect("json");
+    assert_eq!(v["dtype"], "float32");
+    v["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| {
+            (
+                c["prompt"].as_str().unwrap().to_string(),
+                serde_json::from_value(c["prompt_ids"].clone()).unwrap(),
+                serde_json::from_value(c["output_ids"].clone()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Greedy decoding of a real trained model in f32 on the CPU reproduces transformers
+/// exactly: every prompt's 32 tokens, the prompts batched in one request.
+#[tokio::test(flavor = "multi_thread")]
+async fn greedy_continuations_match_transformers() {
+    let cases = reference_continuations();
+    assert!(cases.len() >= 8);
+    let server =
+        Server::start_with_model(&smollm2_gguf(), &["--device", "cpu", "--dtype", "float32"]);
+    let prompts: Vec<&Vec<u32>> = cases.iter().map(|(_, ids, _)| ids).collect();
+    let (status, body) = common::post_json(
+        &server,
+        "/v1/completions",
+        &json!({"prompt": prompts, "temperature": 0, "max_tokens": 32,
+                "ignore_eos": true, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let choices = body["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), cases.len(), "{body}");
+    let mut mismatches = Vec::new();
+    for choice in choices {
+        let i = choice["index"].as_u64().unwrap() as usize;
+        let (prompt, prompt_ids, want) = &cases[i];
+        let got: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).unwrap();
+        let echoed: Vec<u32> = serde_json::from_value(choice["prompt_token_ids"].clone()).unwrap();
+        assert_eq!(&echoed, prompt_ids, "{prompt:?}");
+        if &got != want {
+            let at = got.iter().zip(want).take_while(|(a, b)| a == b).count();
+            mismatches.push(format!(
+                "{prompt:?}: first difference at token {at}\n  got  {got:?}\n  want {want:?}"
+            ));
+        }
+    }
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} continuations differ from transformers:\n{}",
+        mismatches.len(),
+        cases.len(),
+        mismatches.join("\n")
+    );
+}
+
+/// The tokenizer rebuilt from the GGUF's metadata splits the reference prompts (ChatML
+/// special tokens included) exactly as transformers' GGUF tokenizer did.
+#[test]
+fn the_gguf_tokenizer_matches_transformers_on_the_reference_prompts() {
+    let tok = Tokenizer::from_model_dir(&smollm2_gguf()).expect("tokenizer from GGUF");
+    for (prompt, prompt_ids, _) in reference_continuations() {
+        assert_eq!(
+            tok.encode(&prompt, false).unwrap(),
+            prompt_ids,
+            "{prompt:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

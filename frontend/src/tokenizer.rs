@@ -250,20 +250,68 @@ fn named_template(item: &Value) -> anyhow::Result<ChatTemplate> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::collections::BTreeMap;
     use std::path::PathBuf;
 
-    /// A reference model folder of ../shared/models; panics when it is missing, since the
-    /// tests are meaningless without it.
+    /// A reference model folder (configuration and tokenizer files, no weights) from
+    /// `tests/data/models/<name>`, whose `tokenizer.json` is stored gzipped: it is
+    /// decompressed once into `<temp>/vllm-rs-test-models/<name>-<crc32>` (the gzip
+    /// trailer's CRC, so a changed file gets a fresh folder) and reused by later runs.
+    /// Panics when the data is missing, since the tests are meaningless without it.
     pub(crate) fn model_dir(name: &str) -> PathBuf {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/models")
+        static DIRS: std::sync::Mutex<BTreeMap<String, PathBuf>> =
+            std::sync::Mutex::new(BTreeMap::new());
+        let mut dirs = DIRS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(dir) = dirs.get(name) {
+            return dir.clone();
+        }
+        let src = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/data/models")
             .join(name);
-        assert!(
-            dir.join("tokenizer.json").is_file(),
-            "reference tokenizer missing: {}",
-            dir.display()
-        );
+        let dir = unpack_model(&src, name)
+            .unwrap_or_else(|e| panic!("reference model {}: {e:#}", src.display()));
+        dirs.insert(name.to_string(), dir.clone());
         dir
+    }
+
+    fn unpack_model(src: &Path, name: &str) -> anyhow::Result<PathBuf> {
+        use anyhow::Context;
+        use std::io::Read;
+        let gz_path = src.join("tokenizer.json.gz");
+        let gz = std::fs::read(&gz_path).with_context(|| format!("{}", gz_path.display()))?;
+        anyhow::ensure!(gz.len() > 8, "{} is truncated", gz_path.display());
+        let crc = u32::from_le_bytes(gz[gz.len() - 8..gz.len() - 4].try_into()?);
+        let root = std::env::temp_dir().join("vllm-rs-test-models");
+        let dir = root.join(format!("{name}-{crc:08x}"));
+        if dir.join("tokenizer.json").is_file() {
+            return Ok(dir);
+        }
+        std::fs::create_dir_all(&root)?;
+        // Unpack into a private folder, then rename it into place: a concurrent test
+        // process never sees a half-written folder.
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!(".{name}-"))
+            .tempdir_in(&root)?;
+        let mut json = Vec::new();
+        flate2::read::GzDecoder::new(&gz[..]).read_to_end(&mut json)?;
+        std::fs::write(tmp.path().join("tokenizer.json"), json)?;
+        for entry in std::fs::read_dir(src)? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "json") {
+                std::fs::copy(&path, tmp.path().join(path.file_name().unwrap()))?;
+            }
+        }
+        let tmp = tmp.keep();
+        if std::fs::rename(&tmp, &dir).is_err() {
+            // Another process got there first; its folder is as good as ours.
+            let _ = std::fs::remove_dir_all(&tmp);
+            anyhow::ensure!(
+                dir.join("tokenizer.json").is_file(),
+                "cannot create {}",
+                dir.display()
+            );
+        }
+        Ok(dir)
     }
 
     pub(crate) fn load(name: &str) -> Tokenizer {

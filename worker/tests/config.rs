@@ -1,4 +1,4 @@
-//! ModelConfig parsing: the three real configs in ../shared/models, a transformers-5 style
+//! ModelConfig parsing: the three real configs in tests/data/models, a transformers-5 style
 //! config, and the one-line errors.
 
 use std::path::PathBuf;
@@ -7,7 +7,7 @@ use vllm_worker::config::{Architecture, ModelConfig};
 
 fn shared_model(name: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/models")
+        .join("../tests/data/models")
         .join(name);
     assert!(
         dir.join("config.json").is_file(),

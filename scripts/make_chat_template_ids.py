@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes tests/data/chat_template_ids.json: the reference renderings of the chat templates
-of the models in ../shared/models, made the way Hugging Face transformers renders them
+of the models in tests/data/models, made the way Hugging Face transformers renders them
 (jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loop controls,
 a json.dumps `tojson`, `raise_exception`, `strftime_now`), and the token ids of each
 rendering under the real tokenizer.json with no special tokens added (vLLM's way: the
@@ -8,7 +8,7 @@ template already holds the bos token).
 
 Needs only `pip install jinja2 tokenizers` (not transformers). Run from the repository root:
 
-    python3 scripts/make_chat_template_ids.py [--models ../shared/models]
+    python3 scripts/make_chat_template_ids.py [--models tests/data/models]
 
 The Rust test (frontend/src/chat_template.rs) renders the same conversations with
 minijinja and compares text and ids exactly. Llama 3.2's template prints today's date
@@ -16,6 +16,7 @@ unless `date_string` is given, so its cases pin `date_string`.
 """
 
 import argparse
+import gzip
 import json
 import os
 from datetime import datetime
@@ -118,6 +119,15 @@ def continue_final(rendered, messages):
     return rendered[: loc + len(final.strip())]
 
 
+def load_tokenizer(folder):
+    """tokenizer.json, or the gzipped copy the repository keeps (tests/data/models)."""
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.exists(path):
+        return Tokenizer.from_file(path)
+    with gzip.open(path + ".gz", "rt", encoding="utf-8") as f:
+        return Tokenizer.from_str(f.read())
+
+
 def special_token(config, key):
     value = config.get(key)
     if isinstance(value, dict):
@@ -128,7 +138,7 @@ def special_token(config, key):
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default=os.path.join(root, "..", "shared", "models"))
+    parser.add_argument("--models", default=os.path.join(root, "tests", "data", "models"))
     parser.add_argument("--out", default=os.path.join(root, "tests", "data", "chat_template_ids.json"))
     args = parser.parse_args()
 
@@ -141,7 +151,7 @@ def main():
         if isinstance(template, list):
             template = next(t["template"] for t in template if t["name"] == "default")
         compiled = compile_template(template)
-        tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+        tokenizer = load_tokenizer(folder)
         specials = {k: v for k in ("bos_token", "eos_token") if (v := special_token(config, k)) is not None}
         for name, messages, add_generation_prompt, continue_final_message, kwargs in cases(model):
             flat = flatten_content(messages)

@@ -26,10 +26,6 @@ pub struct EngineCoreConfig {
     /// `--num-gpu-blocks-override`: the pool size, whatever the memory budget says.
     pub num_gpu_blocks_override: Option<u32>,
     /// `--execute-model-timeout`: seconds a step may take before the workers count as hung.
-    #[serde(default = "default_execute_model_timeout")]
+    #[serde(default = "vllm_protocol::default_execute_model_timeout_s")]
     pub execute_model_timeout_s: f64,
-}
-
-fn default_execute_model_timeout() -> f64 {
-    300.0
 }

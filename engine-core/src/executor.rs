@@ -241,11 +241,9 @@ impl Executor {
     /// watcher, whose report names the process and how it died.
     async fn unreachable(&mut self, rank: usize, e: anyhow::Error) -> anyhow::Error {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-        while let Ok(Some(event)) = tokio::time::timeout_at(deadline, self.events.recv()).await {
-            match event {
-                ExecutorEvent::Died(why) => return anyhow!(self.last_words(why).await),
-                ExecutorEvent::Worker(WorkerEvent::Failed(why)) => return anyhow!(why),
-                _ => {}
+        while let Ok(event) = tokio::time::timeout_at(deadline, self.next_event()).await {
+            if let Err(why) = event {
+                return why;
             }
         }
         anyhow!("worker rank {rank} cannot be reached: {e:#}")

@@ -54,8 +54,7 @@ impl ChildProcess {
             Ok(status) => status.ok(),
             Err(_) => {
                 tracing::warn!("{} did not exit within {grace:?}; killing it", self.name);
-                let _ = self.child.kill().await;
-                self.child.wait().await.ok()
+                self.kill().await
             }
         }
     }

@@ -118,7 +118,7 @@ pub struct EngineArgs {
     /// Seconds one step may take before it counts as hung: a tensor-parallel collective
     /// that a peer does not join fails after it, and a worker that gives no answer is
     /// declared dead, its requests failed (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(long, default_value_t = vllm_protocol::DEFAULT_EXECUTE_MODEL_TIMEOUT_S)]
     pub execute_model_timeout: f64,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,

@@ -23,3 +23,13 @@ pub use scheduler_output::*;
 /// Bumped whenever a wire type changes shape. Processes of different versions refuse each
 /// other at the handshake instead of misreading each other's frames.
 pub const PROTOCOL_VERSION: u32 = 2;
+
+/// `--execute-model-timeout`'s default, in seconds (vLLM's
+/// `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`): the one value the flag and both processes' configs
+/// fall back on.
+pub const DEFAULT_EXECUTE_MODEL_TIMEOUT_S: f64 = 300.0;
+
+/// For serde's `default =` on configs that carry the timeout.
+pub fn default_execute_model_timeout_s() -> f64 {
+    DEFAULT_EXECUTE_MODEL_TIMEOUT_S
+}

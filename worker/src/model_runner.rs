@@ -48,12 +48,8 @@ pub struct WorkerConfig {
     pub attention_backend: AttentionBackend,
     /// Seconds a step may take before it counts as hung (`--execute-model-timeout`): a
     /// collective that a peer does not join within it fails instead of waiting for ever.
-    #[serde(default = "default_execute_model_timeout")]
+    #[serde(default = "vllm_protocol::default_execute_model_timeout_s")]
     pub execute_model_timeout_s: f64,
-}
-
-pub fn default_execute_model_timeout() -> f64 {
-    300.0
 }
 
 /// How this rank joins its tensor-parallel group, from the startup handshake.

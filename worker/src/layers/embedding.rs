@@ -87,10 +87,9 @@ impl<B: Backend> ParallelLMHead<B> {
             return Ok(logits);
         }
         let pad = self.padded_vocab - self.vocab;
-        let mut parts = b.split_cols(&logits, &[self.vocab, pad])?;
-        parts.truncate(1);
-        parts
-            .pop()
+        b.split_cols(&logits, &[self.vocab, pad])?
+            .into_iter()
+            .next()
             .ok_or_else(|| anyhow::anyhow!("split_cols returned no part"))
     }
 }

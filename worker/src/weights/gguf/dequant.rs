@@ -2,8 +2,9 @@
 //! `ggml-quants.c` (`dequantize_row_*`): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and
 //! Q6_K. Large tensors are decoded in parallel chunks of whole blocks.
 
-use half::{bf16, f16};
+use half::f16;
 use vllm_kernels::cuda::dtype::par_blocks;
+use vllm_kernels::cuda::DType;
 
 use super::ggml_type::{GgmlType, QK_K};
 
@@ -57,21 +58,9 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], numel: usize) -> Result<Vec<f32>, 
 /// Decodes whole blocks: `src` holds exactly the blocks of `dst`.
 fn decode(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     match ty {
-        GgmlType::F32 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
-                *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-            }
-        }
-        GgmlType::F16 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *d = f16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
-            }
-        }
-        GgmlType::BF16 => {
-            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *d = bf16::from_bits(u16::from_le_bytes([s[0], s[1]])).to_f32();
-            }
-        }
+        GgmlType::F32 => DType::F32.decode_into(src, dst),
+        GgmlType::F16 => DType::F16.decode_into(src, dst),
+        GgmlType::BF16 => DType::BF16.decode_into(src, dst),
         GgmlType::Q8_0 => {
             for (y, b) in dst.chunks_exact_mut(32).zip(src.chunks_exact(34)) {
                 let d = f16_at(b, 0);

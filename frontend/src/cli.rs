@@ -112,9 +112,9 @@ pub struct MakeTinyModelArgs {
     /// Folder to write (created if missing).
     #[arg(long)]
     pub out: PathBuf,
-    /// Shape preset: tiny-qwen3, tiny-qwen2, tiny-llama, or a real shape: qwen3-0.6b,
-    /// qwen3-1.7b, qwen3-4b, qwen3-8b, qwen3-32b, qwen2.5-0.5b, llama-3.2-1b, llama-3.1-8b.
-    #[arg(long, default_value = "tiny-qwen3")]
+    /// Shape preset: a tiny test model, or a real model's shape with random weights.
+    #[arg(long, default_value = "tiny-qwen3",
+          value_parser = clap::builder::PossibleValuesParser::new(vllm_fixtures::PRESETS))]
     pub preset: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -52,12 +52,9 @@ async fn run_one(llm: &AsyncLLM, args: &GenerateArgs) -> anyhow::Result<()> {
 }
 
 pub fn make_tiny_model(args: &MakeTinyModelArgs) -> anyhow::Result<()> {
-    use vllm_worker::tiny_model::{write_tiny_model, TinyModelSpec};
+    use vllm_fixtures::{write_tiny_model, TinyModelSpec};
     let Some(mut spec) = TinyModelSpec::preset(&args.preset) else {
-        bail!(
-            "unknown preset {:?} (see `vllm-rs make-tiny-model --help`)",
-            args.preset
-        );
+        bail!("unknown preset {:?}", args.preset);
     };
     spec.seed = args.seed;
     write_tiny_model(&args.out, &spec)?;

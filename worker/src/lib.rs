@@ -11,7 +11,6 @@ pub mod model_runner;
 pub mod models;
 pub mod reference;
 pub mod sampler;
-pub mod tiny_model;
 pub mod watchdog;
 pub mod weights;
 pub mod worker_proc;

@@ -4,15 +4,14 @@
 
 use std::path::Path;
 
+use vllm_fixtures::{
+    special_token_ids, tiny_model_tensors, write_safetensors, write_tiny_model, ModelType,
+    TinyDtype, TinyModelSpec,
+};
 use vllm_protocol::{CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput};
-use vllm_worker::config::Architecture;
 use vllm_worker::model_runner::{ModelRunner, WorkerConfig};
 use vllm_worker::reference::{greedy_reference, reference_logits};
 use vllm_worker::sampler::argmax;
-use vllm_worker::tiny_model::{
-    special_token_ids, tiny_model_tensors, write_safetensors, write_tiny_model, TinyDtype,
-    TinyModelSpec,
-};
 
 const BLOCK_SIZE: u32 = 4;
 
@@ -94,7 +93,7 @@ fn prompt(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-fn tiny(dir: &Path, arch: Architecture, tied: bool) {
+fn tiny(dir: &Path, arch: ModelType, tied: bool) {
     let spec = TinyModelSpec {
         tie_word_embeddings: tied,
         seed: 3,
@@ -105,11 +104,7 @@ fn tiny(dir: &Path, arch: Architecture, tied: bool) {
 
 #[test]
 fn tiny_model_round_trip_every_architecture_tied_and_untied() {
-    for arch in [
-        Architecture::Qwen3,
-        Architecture::Qwen2,
-        Architecture::Llama,
-    ] {
+    for arch in [ModelType::Qwen3, ModelType::Qwen2, ModelType::Llama] {
         for tied in [true, false] {
             let dir = tempfile::tempdir().unwrap();
             tiny(dir.path(), arch, tied);
@@ -118,7 +113,10 @@ fn tiny_model_round_trip_every_architecture_tied_and_untied() {
                 .contains("lm_head.weight");
             assert_eq!(has_head, !tied);
             let mut r = runner(dir.path());
-            assert_eq!(r.model_config().architecture, arch);
+            assert_eq!(
+                r.model_config().architecture.hf_name(),
+                arch.hf_architecture()
+            );
             let p = prompt(9, 1);
             let logits = r.execute_logits(&new_req("a", &p, &[0, 1, 2], 9)).unwrap();
             assert_eq!(logits.len(), 1);
@@ -147,7 +145,7 @@ fn tiny_model_round_trip_every_architecture_tied_and_untied() {
 #[test]
 fn tokenizer_decodes_every_id_and_files_are_complete() {
     let dir = tempfile::tempdir().unwrap();
-    tiny(dir.path(), Architecture::Qwen3, true);
+    tiny(dir.path(), ModelType::Qwen3, true);
     let tok = tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
     for id in 0..512u32 {
         tok.decode(&[id], false)
@@ -185,7 +183,7 @@ fn sharded_checkpoint_loads_like_a_single_file() {
     let spec = TinyModelSpec {
         dtype: TinyDtype::F32,
         seed: 9,
-        ..TinyModelSpec::tiny(Architecture::Qwen2)
+        ..TinyModelSpec::tiny(ModelType::Qwen2)
     };
     let single = tempfile::tempdir().unwrap();
     write_tiny_model(single.path(), &spec).unwrap();
@@ -248,7 +246,7 @@ fn sharded_checkpoint_loads_like_a_single_file() {
 #[test]
 fn shape_mismatch_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = TinyModelSpec::tiny(Architecture::Llama);
+    let spec = TinyModelSpec::tiny(ModelType::Llama);
     write_tiny_model(dir.path(), &spec).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
@@ -270,7 +268,7 @@ fn shape_mismatch_is_a_clear_error() {
 #[test]
 fn chunked_prefill_matches_one_shot_prefill() {
     let dir = tempfile::tempdir().unwrap();
-    tiny(dir.path(), Architecture::Qwen3, true);
+    tiny(dir.path(), ModelType::Qwen3, true);
     let p = prompt(20, 3);
     let blocks: Vec<u32> = (0..5).collect();
     let one_shot = runner(dir.path())
@@ -297,7 +295,7 @@ fn chunked_prefill_matches_one_shot_prefill() {
 #[test]
 fn decode_through_shuffled_blocks_matches_contiguous_blocks() {
     let dir = tempfile::tempdir().unwrap();
-    tiny(dir.path(), Architecture::Llama, false);
+    tiny(dir.path(), ModelType::Llama, false);
     let p = prompt(10, 4);
     let run = |blocks: &[u32]| -> Vec<Vec<f32>> {
         let mut r = runner(dir.path());
@@ -323,13 +321,9 @@ fn decode_through_shuffled_blocks_matches_contiguous_blocks() {
 
 #[test]
 fn served_greedy_matches_reference_with_batching_and_chunking() {
-    for arch in [
-        Architecture::Qwen3,
-        Architecture::Qwen2,
-        Architecture::Llama,
-    ] {
+    for arch in [ModelType::Qwen3, ModelType::Qwen2, ModelType::Llama] {
         let dir = tempfile::tempdir().unwrap();
-        tiny(dir.path(), arch, arch != Architecture::Llama);
+        tiny(dir.path(), arch, arch != ModelType::Llama);
         let (pa, pb) = (prompt(13, 5), prompt(6, 6));
         let max_tokens = 8;
         let want_a = greedy_reference(dir.path(), &pa, max_tokens).unwrap();

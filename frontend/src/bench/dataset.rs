@@ -327,7 +327,7 @@ mod tests {
 
     #[test]
     fn rows_become_requests_with_text_tokenized_and_lengths_resolved() {
-        use vllm_worker::tiny_model::{write_tiny_model, TinyModelSpec};
+        use vllm_fixtures::{write_tiny_model, TinyModelSpec};
         let dir = tempfile::tempdir().unwrap();
         write_tiny_model(dir.path(), &TinyModelSpec::qwen3_tiny()).unwrap();
         let tokenizer = Tokenizer::from_model_dir(dir.path()).unwrap();

@@ -23,8 +23,8 @@ use crate::layers::TensorParallel;
 use crate::models::{variant_for, LlamaForCausalLM};
 use crate::sampler::argmax;
 use crate::sampler::{Sampler, SamplingRequest};
-use crate::tiny_model::{write_tiny_model, TinyModelSpec};
 use crate::weights::{HostTensor, Weights};
+use vllm_fixtures::{write_tiny_model, TinyModelSpec};
 
 /// Whether a GPU is there; `VLLM_REQUIRE_GPU=1` (set by scripts/gpu_round.sh) turns a
 /// missing one into a failure, so a GPU round can never pass by skipping.

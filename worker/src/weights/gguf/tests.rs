@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use super::*;
 use crate::config::{Architecture, ModelConfig};
-use crate::tiny_model::{tiny_model_tensors, write_tiny_model, TinyDtype, TinyModelSpec};
 use crate::weights::{DType, Weights};
+use vllm_fixtures::{tiny_model_tensors, write_tiny_model, ModelType, TinyDtype, TinyModelSpec};
 
 fn reference_file() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/gguf_dequant_reference.gguf")
@@ -415,16 +415,12 @@ fn convert_to_gguf(
 
 #[test]
 fn a_converted_model_gives_the_checkpoints_logits() {
-    for arch in [
-        Architecture::Llama,
-        Architecture::Qwen2,
-        Architecture::Qwen3,
-    ] {
+    for arch in [ModelType::Llama, ModelType::Qwen2, ModelType::Qwen3] {
         let dir = tempfile::tempdir().unwrap();
         let hf = dir.path().join("hf");
         let mut spec = TinyModelSpec::tiny(arch);
         spec.dtype = TinyDtype::F32;
-        spec.tie_word_embeddings = arch != Architecture::Qwen2;
+        spec.tie_word_embeddings = arch != ModelType::Qwen2;
         write_tiny_model(&hf, &spec).unwrap();
         // GGUF carries Llama 3 rope scaling as a `rope_freqs` tensor, not read yet.
         let config = hf.join("config.json");

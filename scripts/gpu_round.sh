@@ -6,11 +6,15 @@
 #                                     kernel-bench
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
+#                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
 #                                     (default: info kernels kernel-bench model serve parity bench)
 #
 # It runs prebuilt binaries from .gpu/ (built on the development machine, see
 # docs/CUDA_NOTES.md): vllm-rs, cuda_kernels, cuda_nvrtc, cuda_bench, worker_tests, and the model
 # configs in .gpu/models/<name>/config.json. Random model folders are generated here.
+# gguf-parity reads $G/SmolLM2-135M-Instruct.Q4_1.gguf, or joins $G/smollm2.part* into it
+# (a call carries at most 64 MiB, so the 98 MB file comes over in parts), and installs the
+# `gguf` wheel from $G/wheels if transformers cannot import it.
 # Each stage's full output goes to $LOG/<stage>.log (packed into $OUT/logs.tgz when $OUT
 # is set, as on the device machine); a short table is printed last.
 # VLLM_REQUIRE_GPU=1 makes every GPU test fail (never skip) if no GPU is usable.
@@ -47,6 +51,14 @@ stage() {
         "$LOG/$name.log" | grep -v "^\s*$" | head -40
     grep -a -A4 "panicked" "$LOG/$name.log" | head -30
     return 0
+}
+
+# The SmolLM2 GGUF, joined from its parts on first use; the gguf package for transformers.
+smollm2_setup() {
+    local f=$G/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f "$f" ] || cat "$G"/smollm2.part* >"$f"
+    python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-deps "$G"/wheels/gguf-*.whl
+    echo "$f"
 }
 
 make_model() { # preset dir
@@ -314,6 +326,7 @@ for s in $STAGES; do
     tp-70b) stage tp-70b tp_70b ;;
     tp-parity) stage tp-parity python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
     tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
+    gguf-parity) stage gguf-parity python3 scripts/gguf_parity.py --bin "$BIN" --gguf "$(smollm2_setup)" ;;
     *) echo "unknown stage $s" ;;
     esac
 done

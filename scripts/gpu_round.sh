@@ -12,9 +12,11 @@
 # It runs prebuilt binaries from .gpu/ (built on the development machine, see
 # docs/CUDA_NOTES.md): vllm-rs, cuda_kernels, cuda_nvrtc, cuda_bench, worker_tests, and the model
 # configs in .gpu/models/<name>/config.json. Random model folders are generated here.
-# gguf-parity reads $G/SmolLM2-135M-Instruct.Q4_1.gguf, or joins $G/smollm2.part* into it
-# (a call carries at most 64 MiB, so the 98 MB file comes over in parts), and installs the
-# `gguf` wheel from $G/wheels if transformers cannot import it.
+# gguf-parity reads $G/SmolLM2-135M-Instruct.Q4_1.gguf, or joins $G/smollm2.part* into it,
+# and installs the `gguf` wheel from $G/wheels if transformers cannot import it. A call
+# carries at most 64 MiB and the device's tree keeps only what the call carries, so the
+# 98 MB file comes over in parts: earlier calls copy their part (and the binary) to
+# /dev/shm, and the last one copies them back into $G before this runs.
 # Each stage's full output goes to $LOG/<stage>.log (packed into $OUT/logs.tgz when $OUT
 # is set, as on the device machine); a short table is printed last.
 # VLLM_REQUIRE_GPU=1 makes every GPU test fail (never skip) if no GPU is usable.

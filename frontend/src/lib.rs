@@ -15,3 +15,6 @@ pub mod output_processor;
 pub mod server;
 pub mod stop_strings;
 pub mod tokenizer;
+
+#[cfg(test)]
+mod fuzz_tests;

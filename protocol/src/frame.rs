@@ -17,6 +17,8 @@ pub enum FrameError {
         kind: u8,
         source: rmp_serde::decode::Error,
     },
+    #[error("message type {kind:#04x}: {extra} bytes after the payload")]
+    TrailingBytes { kind: u8, extra: usize },
     #[error("cannot encode message: {0}")]
     Encode(#[from] rmp_serde::encode::Error),
 }
@@ -45,8 +47,16 @@ pub fn split(frame: &[u8]) -> Result<(u8, &[u8]), FrameError> {
         .ok_or(FrameError::Empty)
 }
 
+/// Decodes the whole payload: bytes left after the message make the frame malformed (a
+/// frame that was cut and glued, or of another build), not silently ignored.
 pub fn decode_payload<T: DeserializeOwned>(kind: u8, payload: &[u8]) -> Result<T, FrameError> {
-    rmp_serde::from_slice(payload).map_err(|source| FrameError::Payload { kind, source })
+    let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(payload));
+    let value = T::deserialize(&mut de).map_err(|source| FrameError::Payload { kind, source })?;
+    let extra = payload.len() - (de.position() as usize).min(payload.len());
+    if extra > 0 {
+        return Err(FrameError::TrailingBytes { kind, extra });
+    }
+    Ok(value)
 }
 
 /// Implements [`WireMessage`] for an enum whose variants each wrap one payload type.

@@ -221,3 +221,102 @@ fn a_prompt_beyond_the_context_length_is_an_error_naming_its_line() {
     assert!(stderr.contains("line 2"), "{stderr}");
     assert!(stderr.contains("context length"), "{stderr}");
 }
+
+fn bench_serve(args: &[&str]) -> Output {
+    Command::new(exe())
+        .args(["bench", "serve"])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run vllm-rs bench serve")
+}
+
+#[test]
+fn serve_bench_reports_every_request_of_a_poisson_load() {
+    let server = common::Server::start(&["--device", "cpu"]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let result = dir.path().join("result.json");
+    let port = server.base.rsplit(':').next().expect("port").to_string();
+    let model = tiny_model().to_str().expect("utf-8 path");
+    let out = bench_serve(&[
+        "--port",
+        &port,
+        "--model",
+        model,
+        "--num-prompts",
+        "12",
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        "6",
+        "--ignore-eos",
+        "--request-rate",
+        "40",
+        "--max-concurrency",
+        "4",
+        "--save-result",
+        "--result-filename",
+        result.to_str().expect("utf-8 path"),
+    ]);
+    let text = stdout_of(&out);
+    assert_eq!(figure(&text, "Successful requests:"), 12.0, "{text}");
+    assert_eq!(figure(&text, "Failed requests:"), 0.0, "{text}");
+    assert_eq!(figure(&text, "Total input tokens:"), 12.0 * 16.0, "{text}");
+    assert_eq!(
+        figure(&text, "Total generated tokens:"),
+        12.0 * 6.0,
+        "{text}"
+    );
+    for label in [
+        "Mean TTFT (ms):",
+        "P99 TTFT (ms):",
+        "Mean TPOT (ms):",
+        "Median ITL (ms):",
+    ] {
+        assert!(figure(&text, label) > 0.0, "{label} in\n{text}");
+    }
+    assert!(figure(&text, "Request throughput (req/s):") > 0.0, "{text}");
+
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&result).expect("result file"))
+            .expect("json");
+    assert_eq!(saved["completed"], 12);
+    assert_eq!(saved["model_id"], "tiny");
+    assert_eq!(saved["request_rate"], 40.0);
+    assert_eq!(saved["max_concurrency"], 4);
+    let itls = saved["itls"].as_array().expect("itls");
+    assert_eq!(itls.len(), 12);
+    // Six tokens stream as at most six chunks (the tiny model is fast enough that the
+    // server often sends several tokens in one): at most five gaps each.
+    assert!(
+        itls.iter()
+            .all(|l| l.as_array().is_some_and(|l| l.len() <= 5)),
+        "{itls:?}"
+    );
+    assert!(saved["ttfts"]
+        .as_array()
+        .expect("ttfts")
+        .iter()
+        .all(|t| t.as_f64() > Some(0.0)));
+}
+
+#[test]
+fn serve_bench_says_when_no_server_is_there() {
+    let port = common::free_port().to_string();
+    let out = bench_serve(&[
+        "--port",
+        &port,
+        "--model",
+        tiny_model().to_str().expect("utf-8 path"),
+        "--num-prompts",
+        "2",
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "cannot reach the server at http://127.0.0.1:{port}"
+        )) && stderr.contains("vllm-rs serve"),
+        "{stderr}"
+    );
+}

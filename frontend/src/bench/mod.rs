@@ -1,9 +1,11 @@
 //! `vllm-rs bench throughput` and `vllm-rs bench latency`: offline benchmarks that start
 //! the engine in-process (as `generate` does) and submit requests straight to `AsyncLLM`,
-//! with no HTTP in between. Like vLLM's `vllm bench throughput|latency`.
+//! with no HTTP in between. Like vLLM's `vllm bench throughput|latency`. `bench serve`
+//! (`serve/`) is the online one: HTTP load on a running server.
 
 pub mod dataset;
 pub mod latency;
+pub mod serve;
 pub mod throughput;
 
 use std::path::Path;
@@ -29,6 +31,8 @@ pub enum BenchCommand {
     Throughput(throughput::ThroughputArgs),
     /// Latency of one batch: end to end, time to first token, time per output token.
     Latency(latency::LatencyArgs),
+    /// Online serving: HTTP load on a running server; throughput, TTFT, TPOT and ITL.
+    Serve(serve::ServeBenchArgs),
 }
 
 /// Runs a benchmark; returns the exit code.
@@ -36,6 +40,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<i32> {
     match args.command {
         BenchCommand::Throughput(a) => throughput::run(a).await,
         BenchCommand::Latency(a) => latency::run(a).await,
+        BenchCommand::Serve(a) => serve::run(a).await,
     }
 }
 
@@ -174,8 +179,7 @@ pub fn mean(values: &[f64]) -> Option<f64> {
 
 fn write_json(path: &Path, value: &serde_json::Value) -> anyhow::Result<()> {
     let text = serde_json::to_string_pretty(value)?;
-    std::fs::write(path, text + "\n")
-        .with_context(|| format!("cannot write --output-json {}", path.display()))
+    std::fs::write(path, text + "\n").with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// A progress bar on stderr (drawn only when stderr is a terminal).

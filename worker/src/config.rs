@@ -128,6 +128,9 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Per-frequency divisors of the rotary inverse frequencies: how a GGUF file carries
+    /// Llama 3 scaling (its `rope_freqs.weight` tensor), in place of `rope_scaling`.
+    pub rope_freq_factors: Option<Vec<f32>>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// Bias on the q, k and v projections (always for Qwen2, `attention_bias` otherwise).
@@ -286,6 +289,7 @@ impl ModelConfig {
                 .unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
+            rope_freq_factors: None,
             max_position_embeddings: field_usize(v, "max_position_embeddings")?,
             tie_word_embeddings: v
                 .get("tie_word_embeddings")

@@ -16,7 +16,12 @@ pub struct RotaryEmbedding<B: Backend> {
 impl<B: Backend> RotaryEmbedding<B> {
     /// A table for positions `0..max_positions` (the served max_model_len).
     pub fn new(b: &B, cfg: &ModelConfig, max_positions: usize) -> Result<Self> {
-        let inv_freq = compute_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling);
+        let mut inv_freq = compute_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling);
+        if let Some(factors) = &cfg.rope_freq_factors {
+            for (f, &d) in inv_freq.iter_mut().zip(factors) {
+                *f /= f64::from(d);
+            }
+        }
         let cache = compute_cos_sin_cache(&inv_freq, max_positions);
         let cos_sin_cache = b.upload(&HostTensor::new(vec![max_positions, cfg.head_dim], cache))?;
         Ok(Self {

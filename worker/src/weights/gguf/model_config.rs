@@ -47,11 +47,7 @@ impl ModelConfig {
         }
         let head_dim =
             usize_of("attention.key_length").unwrap_or(hidden_size / num_attention_heads);
-        if file.tensor_info("rope_freqs.weight").is_some() {
-            return Err(invalid(
-                "Llama 3 rope scaling (`rope_freqs.weight`) is not supported for GGUF yet".into(),
-            ));
-        }
+        let rope_freq_factors = rope_freq_factors(file, head_dim).map_err(invalid)?;
         if let Some(kind) = file
             .get_str(&key("rope.scaling.type"))
             .filter(|k| *k != "none")
@@ -97,6 +93,7 @@ impl ModelConfig {
                 .unwrap_or(1e-6),
             rope_theta: file.get_f64(&key("rope.freq_base")).unwrap_or(10000.0),
             rope_scaling: None,
+            rope_freq_factors,
             max_position_embeddings: need("context_length")?,
             tie_word_embeddings: file.tensor_info("output.weight").is_none(),
             attention_bias,
@@ -106,4 +103,29 @@ impl ModelConfig {
             dtype: "bfloat16".into(),
         })
     }
+}
+
+/// llama.cpp writes Llama 3 rope scaling as `rope_freqs.weight`: one divisor per rotary
+/// frequency, 1 for short wavelengths, `factor` for long ones, smoothed between
+/// (`1 / ((1 - smooth) / factor + smooth)`), so dividing the plain inverse frequencies by it
+/// gives transformers' `_compute_llama3_parameters`.
+fn rope_freq_factors(file: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>, String> {
+    if file.tensor_info("rope_freqs.weight").is_none() {
+        return Ok(None);
+    }
+    let (shape, factors) = file
+        .dequantize("rope_freqs.weight")
+        .map_err(|e| format!("rope_freqs.weight: {e:#}"))?;
+    if factors.len() != head_dim / 2 {
+        return Err(format!(
+            "rope_freqs.weight has shape {shape:?}, expected [{}] (head_dim / 2)",
+            head_dim / 2
+        ));
+    }
+    if let Some(bad) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+        return Err(format!(
+            "rope_freqs.weight holds {bad}, not a positive divisor"
+        ));
+    }
+    Ok(Some(factors))
 }

@@ -375,6 +375,13 @@ fn convert_to_gguf(
             ),
         )
         .meta("tokenizer.ggml.eos_token_id", u32v(2));
+    if let Some(s) = cfg.rope_scaling {
+        w.f32_tensor(
+            "rope_freqs.weight",
+            &[cfg.head_dim / 2],
+            &llama3_rope_factors(cfg.head_dim, cfg.rope_theta, s),
+        );
+    }
     for (name, shape, data) in tensors {
         if cfg.tie_word_embeddings && name == "lm_head.weight" {
             continue;
@@ -412,6 +419,30 @@ fn convert_to_gguf(
     }
     w.write(path).unwrap();
 }
+/// `rope_freqs.weight` as llama.cpp's converter computes it from Llama 3 scaling.
+fn llama3_rope_factors(
+    head_dim: usize,
+    theta: f64,
+    s: vllm_kernels::cpu::Llama3RopeScaling,
+) -> Vec<f32> {
+    let low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+    let high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen < high_freq_wavelen {
+                1.0
+            } else if wavelen > low_freq_wavelen {
+                s.factor as f32
+            } else {
+                let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                (1.0 / ((1.0 - smooth) / s.factor + smooth)) as f32
+            }
+        })
+        .collect()
+}
 
 #[test]
 fn a_converted_model_gives_the_checkpoints_logits() {
@@ -422,13 +453,9 @@ fn a_converted_model_gives_the_checkpoints_logits() {
         spec.dtype = TinyDtype::F32;
         spec.tie_word_embeddings = arch != ModelType::Qwen2;
         write_tiny_model(&hf, &spec).unwrap();
-        // GGUF carries Llama 3 rope scaling as a `rope_freqs` tensor, not read yet.
-        let config = hf.join("config.json");
-        let mut json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
-        json.as_object_mut().unwrap().remove("rope_scaling");
-        std::fs::write(&config, json.to_string()).unwrap();
+        // The tiny Llama has Llama 3 rope scaling, which GGUF carries as `rope_freqs`.
         let cfg = ModelConfig::from_model_dir(&hf).unwrap();
+        assert_eq!(cfg.rope_scaling.is_some(), arch == ModelType::Llama);
         let tensors = tiny_model_tensors(&spec);
         let gguf_dir = dir.path().join("gguf");
         std::fs::create_dir(&gguf_dir).unwrap();
@@ -458,7 +485,9 @@ fn a_converted_model_gives_the_checkpoints_logits() {
         );
         assert_eq!(gcfg.eos_token_ids, [2]);
 
-        let tokens = [5, 17, 300, 42, 9];
+        assert_eq!(gcfg.rope_freq_factors.is_some(), arch == ModelType::Llama);
+        // Long enough that the scaled frequencies turn visibly (by position 63).
+        let tokens: Vec<u32> = (0..64).map(|i| (i * 37 + 5) % 500).collect();
         let want = crate::reference::reference_logits(&hf, &tokens).unwrap();
         let got = crate::reference::reference_logits(&gguf_dir, &tokens).unwrap();
         let diff = want
@@ -546,4 +575,25 @@ fn config_errors_are_one_line() {
         "{e}"
     );
     assert!(!e.contains('\n'));
+
+    // rope_freqs.weight must hold one positive divisor per rotary frequency.
+    let mut w = GgufWriter::new();
+    let u32v = |v: u32| MetadataValue::U32(v);
+    w.meta(
+        "general.architecture",
+        MetadataValue::String("llama".into()),
+    )
+    .meta("llama.embedding_length", u32v(64))
+    .meta("llama.attention.head_count", u32v(4))
+    .meta("llama.feed_forward_length", u32v(128))
+    .meta("llama.block_count", u32v(1))
+    .meta("llama.context_length", u32v(128))
+    .meta("llama.vocab_size", u32v(10));
+    w.f32_tensor("rope_freqs.weight", &[5], &[1.0; 5]);
+    w.write(&path).unwrap();
+    let e = ModelConfig::from_model_dir(&path).unwrap_err().to_string();
+    assert!(
+        e.contains("rope_freqs.weight has shape [5], expected [8] (head_dim / 2)"),
+        "{e}"
+    );
 }

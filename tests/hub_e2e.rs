@@ -71,13 +71,13 @@ fn hand_made_cache(hf_home: &Path) -> PathBuf {
     snapshot
 }
 
-/// `vllm-rs ARGS` with `HF_HOME=hf_home` and `env`, and no other Hugging Face variable of
-/// the test's own environment.
-fn vllm_rs(hf_home: &Path, args: &[&str], env: &[(&str, &str)]) -> Command {
+/// Runs `vllm-rs ARGS` (split at spaces) with `HF_HOME=hf_home` and `env`, and no other
+/// Hugging Face variable of the test's own environment.
+fn vllm_rs(hf_home: &Path, args: &str, env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(exe());
-    cmd.args(args);
+    cmd.args(args.split_whitespace());
     clean_env(&mut cmd, hf_home, env);
-    cmd
+    cmd.output().expect("run vllm-rs")
 }
 
 fn clean_env(cmd: &mut Command, hf_home: &Path, env: &[(&str, &str)]) {
@@ -90,31 +90,24 @@ fn clean_env(cmd: &mut Command, hf_home: &Path, env: &[(&str, &str)]) {
     cmd.env("HF_HOME", hf_home).envs(env.iter().copied());
 }
 
-fn generate(hf_home: &Path, env: &[(&str, &str)]) -> Output {
-    vllm_rs(
-        hf_home,
-        &[
-            "generate",
-            "--model",
-            ID,
-            "--device",
-            "cpu",
-            "--prompt",
-            "Hello",
-            "--max-tokens",
-            "4",
-            "--ignore-eos",
-            "--temperature",
-            "0",
-        ],
-        env,
-    )
-    .output()
-    .expect("run vllm-rs generate")
+/// `vllm-rs generate --model MODEL`, four greedy tokens on the CPU.
+fn generate(hf_home: &Path, model: &str, env: &[(&str, &str)]) -> Output {
+    let args = format!(
+        "generate --model {model} --device cpu --prompt Hello --max-tokens 4 --ignore-eos \
+         --temperature 0"
+    );
+    vllm_rs(hf_home, &args, env)
 }
 
 fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A successful run's stderr.
+fn succeeded(out: &Output) -> String {
+    let err = stderr(out);
+    assert!(out.status.success(), "{err}");
+    err
 }
 
 /// A failed run whose whole stderr is one `error:` line; returns it.
@@ -171,96 +164,42 @@ fn the_cache_serves_every_command_and_revision() {
     let hf_home = tempfile::tempdir().unwrap();
     hand_made_cache(hf_home.path());
     // Online, but the hub is away: the cached snapshot of `main` serves, with a warning.
-    let out = generate(hf_home.path(), &[("HF_ENDPOINT", UNREACHABLE)]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("using the cached snapshot"),
-        "{}",
-        stderr(&out)
-    );
+    let out = generate(hf_home.path(), ID, &[("HF_ENDPOINT", UNREACHABLE)]);
+    let err = succeeded(&out);
+    assert!(err.contains("using the cached snapshot"), "{err}");
     assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
 
     // A commit hash as --revision needs no ref; an unknown branch offline is an error.
-    let run = |revision: &str| {
-        vllm_rs(
-            hf_home.path(),
-            &[
-                "generate",
-                "--model",
-                ID,
-                "--revision",
-                revision,
-                "--prompt",
-                "Hi",
-                "--max-tokens",
-                "2",
-                "--device",
-                "cpu",
-            ],
-            &[("HF_HUB_OFFLINE", "yes")],
-        )
-        .output()
-        .expect("run")
+    let offline = [("HF_HUB_OFFLINE", "yes")];
+    let revision = |rev: &str| {
+        let args = format!("generate --model {ID} --revision {rev} --prompt Hi --device cpu");
+        vllm_rs(hf_home.path(), &args, &offline)
     };
-    let out = run(COMMIT);
-    assert!(out.status.success(), "{}", stderr(&out));
-
-    // `--tokenizer` takes an id too, and `bench` resolves one as `generate` does.
-    let offline = [("HF_HUB_OFFLINE", "1")];
-    let model = tiny_model().to_str().unwrap();
-    let tokenizer_args = [
-        "generate",
-        "--model",
-        model,
-        "--tokenizer",
-        ID,
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "2",
-        "--device",
-        "cpu",
-    ];
-    let out = vllm_rs(hf_home.path(), &tokenizer_args, &offline)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains(&format!("--tokenizer {ID}: ")),
-        "{}",
-        stderr(&out)
-    );
-    let bench_args = [
-        "bench",
-        "latency",
-        "--model",
-        ID,
-        "--input-len",
-        "4",
-        "--output-len",
-        "2",
-        "--num-iters-warmup",
-        "0",
-        "--num-iters",
-        "1",
-        "--device",
-        "cpu",
-    ];
-    let out = vllm_rs(hf_home.path(), &bench_args, &offline)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let err = one_line_error(&run("v2"));
+    succeeded(&revision(COMMIT));
+    let err = one_line_error(&revision("v2"));
     assert!(
         err.contains("someorg/tiny (revision v2) is not in the Hugging Face cache"),
         "{err}"
     );
+
+    // `--tokenizer` takes an id too, and `bench` resolves one as `generate` does.
+    let args = format!(
+        "generate --model {} --tokenizer {ID} --prompt Hi --device cpu",
+        tiny_model().display()
+    );
+    let err = succeeded(&vllm_rs(hf_home.path(), &args, &offline));
+    assert!(err.contains(&format!("--tokenizer {ID}: ")), "{err}");
+    let args = format!(
+        "bench latency --model {ID} --input-len 4 --output-len 2 --num-iters-warmup 0 \
+         --num-iters 1 --device cpu"
+    );
+    succeeded(&vllm_rs(hf_home.path(), &args, &offline));
 }
 
 #[test]
 fn offline_with_nothing_cached_is_a_one_line_error() {
     let hf_home = tempfile::tempdir().unwrap();
-    let out = generate(hf_home.path(), &[("HF_HUB_OFFLINE", "1")]);
+    let out = generate(hf_home.path(), ID, &[("HF_HUB_OFFLINE", "1")]);
     let err = one_line_error(&out);
     assert!(err.contains(ID), "{err}");
     let repo = hf_home.path().join("hub").join("models--someorg--tiny");
@@ -272,7 +211,7 @@ fn offline_with_nothing_cached_is_a_one_line_error() {
 fn an_unreachable_hub_is_one_line_within_seconds() {
     let hf_home = tempfile::tempdir().unwrap();
     let start = Instant::now();
-    let out = generate(hf_home.path(), &[("HF_ENDPOINT", UNREACHABLE)]);
+    let out = generate(hf_home.path(), ID, &[("HF_ENDPOINT", UNREACHABLE)]);
     let took = start.elapsed();
     let err = one_line_error(&out);
     assert!(
@@ -454,8 +393,8 @@ fn fetches_from_the_hub_into_the_cache_once() {
     let hf_home = tempfile::tempdir().unwrap();
     let endpoint = ("HF_ENDPOINT", hub.base.as_str());
 
-    let out = generate(hf_home.path(), &[endpoint, ("HF_TOKEN", "hf_secret")]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = generate(hf_home.path(), ID, &[endpoint, ("HF_TOKEN", "hf_secret")]);
+    succeeded(&out);
     assert!(!String::from_utf8_lossy(&out.stdout).trim().is_empty());
 
     // The cache, as huggingface_hub lays it out.
@@ -514,8 +453,7 @@ fn fetches_from_the_hub_into_the_cache_once() {
 
     // Again, the token now from the token file: the revision is looked up, nothing fetched.
     std::fs::write(hf_home.path().join("token"), "hf_secret\n").unwrap();
-    let out = generate(hf_home.path(), &[endpoint]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeded(&generate(hf_home.path(), ID, &[endpoint]));
     let second = hub.requests()[first.len()..].to_vec();
     assert_eq!(second, vec![format!("/api/models/{ID}/revision/main")]);
 
@@ -523,8 +461,7 @@ fn fetches_from_the_hub_into_the_cache_once() {
     // blob's name) and relinked; no bytes travel, the CDN is not asked.
     std::fs::remove_dir_all(&snapshot).unwrap();
     let before = hub.requests().len();
-    let out = generate(hf_home.path(), &[endpoint]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    succeeded(&generate(hf_home.path(), ID, &[endpoint]));
     let third = hub.requests()[before..].to_vec();
     assert_eq!(resolves(&third), MODEL_FILES.len(), "{third:?}");
     assert!(!third.iter().any(|r| r.starts_with("lfs")), "{third:?}");
@@ -540,34 +477,20 @@ fn fetches_from_the_hub_into_the_cache_once() {
     hub.state
         .broken
         .store(true, std::sync::atomic::Ordering::Relaxed);
-    let out = generate(hf_home.path(), &[endpoint]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let err = succeeded(&generate(hf_home.path(), ID, &[endpoint]));
     let warning = "(HTTP 503 Service Unavailable); using the cached snapshot";
-    assert!(stderr(&out).contains(warning), "{}", stderr(&out));
+    assert!(err.contains(warning), "{err}");
 }
 
 #[test]
 fn a_sharded_repo_fetches_its_index_then_the_shards_it_names() {
     let hub = FakeHub::start(None);
     let hf_home = tempfile::tempdir().unwrap();
-    let out = vllm_rs(
+    succeeded(&generate(
         hf_home.path(),
-        &[
-            "generate",
-            "--model",
-            SHARDED,
-            "--prompt",
-            "Hi",
-            "--max-tokens",
-            "2",
-            "--device",
-            "cpu",
-        ],
+        SHARDED,
         &[("HF_ENDPOINT", hub.base.as_str())],
-    )
-    .output()
-    .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
+    ));
     let snapshot = hf_home
         .path()
         .join("hub/models--someorg--sharded/snapshots")
@@ -589,7 +512,7 @@ fn a_sharded_repo_fetches_its_index_then_the_shards_it_names() {
 fn a_private_repo_without_a_token_is_a_one_line_error() {
     let hub = FakeHub::start(Some("hf_secret"));
     let hf_home = tempfile::tempdir().unwrap();
-    let out = generate(hf_home.path(), &[("HF_ENDPOINT", hub.base.as_str())]);
+    let out = generate(hf_home.path(), ID, &[("HF_ENDPOINT", hub.base.as_str())]);
     let err = one_line_error(&out);
     assert!(err.contains(ID), "{err}");
     assert!(err.contains("HTTP 401"), "{err}");
@@ -597,6 +520,7 @@ fn a_private_repo_without_a_token_is_a_one_line_error() {
     assert!(err.contains("set HF_TOKEN"), "{err}");
     let out = generate(
         hf_home.path(),
+        ID,
         &[("HF_ENDPOINT", hub.base.as_str()), ("HF_TOKEN", "hf_wrong")],
     );
     let err = one_line_error(&out);

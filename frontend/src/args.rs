@@ -51,16 +51,29 @@ pub enum Policy {
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
     /// Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a GGUF
-    /// file, or a folder holding one .gguf file and no config.json.
+    /// file, or a folder holding one .gguf file and no config.json; or a Hugging Face Hub
+    /// id (`Qwen/Qwen3-0.6B`), fetched into the Hugging Face cache (HF_HOME) unless it is
+    /// there already.
     #[arg(long)]
     pub model: PathBuf,
-    /// Folder of the tokenizer files (tokenizer.json, tokenizer_config.json) to use instead
-    /// of the model's (default: the --model folder, or the GGUF file's own tokenizer).
+    /// Folder of the tokenizer files (tokenizer.json, tokenizer_config.json), or a Hub id,
+    /// to use instead of the model's (default: the --model folder, or the GGUF file's own
+    /// tokenizer).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Model name(s) the API answers to (default: the --model path).
+    /// The branch, tag or commit of a --model given as a Hub id.
+    #[arg(long, default_value = "main")]
+    pub revision: String,
+    /// The branch, tag or commit of a --tokenizer given as a Hub id (default: main).
+    #[arg(long)]
+    pub tokenizer_revision: Option<String>,
+    /// Model name(s) the API answers to (default: --model as given: the path or Hub id).
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
+    /// The Hub id --model named, once `hub::resolve_model_args` has replaced --model by its
+    /// local snapshot folder.
+    #[arg(skip)]
+    pub model_id: Option<String>,
     /// Number of GPUs (worker processes) the model is split across.
     #[arg(long, short = 't', default_value_t = 1)]
     pub tensor_parallel_size: u32,
@@ -154,9 +167,16 @@ impl EngineArgs {
         self.tokenizer.as_deref().unwrap_or(&self.model)
     }
 
+    /// `--model` as the user gave it: the Hub id, or the path.
+    pub fn model_name(&self) -> String {
+        self.model_id
+            .clone()
+            .unwrap_or_else(|| self.model.display().to_string())
+    }
+
     pub fn served_model_names(&self) -> Vec<String> {
         if self.served_model_name.is_empty() {
-            vec![self.model.display().to_string()]
+            vec![self.model_name()]
         } else {
             self.served_model_name.clone()
         }

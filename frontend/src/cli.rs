@@ -48,6 +48,22 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// The engine flags of a command that loads a model (`serve`, `generate`, `bench *`).
+    pub fn engine_args_mut(&mut self) -> Option<&mut EngineArgs> {
+        use crate::bench::BenchCommand;
+        match self {
+            Command::Serve(a) => Some(&mut a.engine),
+            Command::Generate(a) => Some(&mut a.engine),
+            Command::Bench(b) => match &mut b.command {
+                BenchCommand::Throughput(a) => Some(&mut a.engine),
+                BenchCommand::Latency(a) => Some(&mut a.engine),
+            },
+            Command::MakeTinyModel(_) | Command::EngineCore { .. } | Command::Worker { .. } => None,
+        }
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     #[command(flatten)]

@@ -10,6 +10,7 @@ pub mod detokenizer;
 pub mod engine_client;
 pub mod generate;
 mod gguf_tokenizer;
+pub mod hub;
 pub mod metrics;
 pub mod output_processor;
 pub mod server;

@@ -17,7 +17,12 @@ fn main() {
     std::process::exit(code);
 }
 
-fn run(command: Command) -> anyhow::Result<i32> {
+fn run(mut command: Command) -> anyhow::Result<i32> {
+    // A Hub id becomes its local snapshot folder here, once, before anything reads the
+    // model; the engine-core and workers are started with that folder.
+    if let Some(engine) = command.engine_args_mut() {
+        vllm_frontend::hub::resolve_model_args(engine)?;
+    }
     match command {
         Command::Serve(args) => runtime()?.block_on(vllm_frontend::server::serve(args)),
         Command::Generate(args) => runtime()?.block_on(vllm_frontend::generate::generate(args)),

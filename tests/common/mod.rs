@@ -3,6 +3,7 @@
 //! process-tree inspection through /proc.
 #![allow(dead_code)]
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -164,15 +165,26 @@ impl Server {
 
     /// Starts `vllm-rs serve` with `env` added to its environment, without waiting for it.
     pub fn spawn(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut args: Vec<OsString> = vec!["--model".into(), model.into()];
+        args.extend(["--served-model-name", "tiny"].map(OsString::from));
+        args.extend(extra.iter().map(OsString::from));
+        Self::spawn_serve(&args, |cmd| {
+            cmd.envs(env.iter().copied());
+        })
+    }
+
+    /// Starts `vllm-rs serve ARGS` on a free port, without waiting for it; `configure`
+    /// adjusts the command first (its environment, say).
+    pub fn spawn_serve(args: &[OsString], configure: impl FnOnce(&mut Command)) -> Server {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
-        let child = Command::new(exe())
-            .args(["serve", "--model"])
-            .arg(model)
-            .args(["--port", &port.to_string(), "--served-model-name", "tiny"])
-            .args(extra)
-            .env("RUST_LOG", "info")
-            .envs(env.iter().copied())
+        let mut cmd = Command::new(exe());
+        cmd.arg("serve")
+            .args(args)
+            .args(["--port", &port.to_string()])
+            .env("RUST_LOG", "info");
+        configure(&mut cmd);
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(log.reopen().expect("log"))
             .spawn()

@@ -29,7 +29,7 @@ pub struct AppState {
     pub llm: AsyncLLM,
     pub served_model_names: Vec<String>,
     pub api_key: Option<String>,
-    /// The `--model` folder, reported as each model's `root`.
+    /// `--model` as given (a path or a Hub id), reported as each model's `root`.
     pub model_path: String,
     /// `--chat-template FILE`, else the tokenizer's; None: chat requests get a 400.
     pub chat_template: Option<crate::chat_template::ChatTemplate>,
@@ -110,7 +110,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         chat_template,
         served_model_names: args.engine.served_model_names(),
         api_key: args.api_key.clone(),
-        model_path: args.engine.model.display().to_string(),
+        model_path: args.engine.model_name(),
     });
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)

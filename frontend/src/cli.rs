@@ -58,6 +58,8 @@ impl Command {
             Command::Bench(b) => match &mut b.command {
                 BenchCommand::Throughput(a) => Some(&mut a.engine),
                 BenchCommand::Latency(a) => Some(&mut a.engine),
+                // It loads no model: it talks to a server.
+                BenchCommand::Serve(_) => None,
             },
             Command::MakeTinyModel(_) | Command::EngineCore { .. } | Command::Worker { .. } => None,
         }

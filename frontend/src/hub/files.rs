@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, bail};
 
 use super::RepoId;
 
@@ -114,22 +114,10 @@ pub fn select(id: &RepoId, repo_files: &[String], want: Want) -> anyhow::Result<
     Ok(Plan { files, index: None })
 }
 
-/// The shard files that `model.safetensors.index.json` at `path` names, each once.
+/// The shard files that `model.safetensors.index.json` at `path` names, each once (as the
+/// worker reads the index), each a plain file name inside the snapshot.
 pub fn index_shards(path: &Path) -> anyhow::Result<Vec<String>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not valid JSON", path.display()))?;
-    let map = json
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| anyhow!("{}: missing `weight_map`", path.display()))?;
-    let mut shards: Vec<String> = map
-        .values()
-        .filter_map(|f| f.as_str().map(str::to_string))
-        .collect();
-    shards.sort();
-    shards.dedup();
+    let shards = vllm_worker::weights::index_shards(path)?;
     if let Some(bad) = shards.iter().find(|f| !is_plain_file_name(f)) {
         bail!("{}: unexpected shard name {bad:?}", path.display());
     }

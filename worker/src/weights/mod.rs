@@ -26,6 +26,7 @@ use memmap2::Mmap;
 pub use crate::config::LoadFormat;
 use crate::model_path::ModelPath;
 pub use dummy::{DummyRegion, DUMMY_SEED};
+pub use safetensors::index_shards;
 use safetensors::SafetensorsWeights;
 pub use tensor::{HostTensor, WeightTensor};
 pub use vllm_kernels::cuda::DType;

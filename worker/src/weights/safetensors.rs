@@ -12,6 +12,25 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::{map_file, DType, WeightTensor};
 
+/// The shard files `model.safetensors.index.json` at `index` names, sorted, each once.
+pub fn index_shards(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index)
+        .with_context(|| format!("cannot read {}", index.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", index.display()))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| anyhow!("{}: missing `weight_map`", index.display()))?;
+    let mut files: Vec<String> = map
+        .values()
+        .filter_map(|f| f.as_str().map(str::to_string))
+        .collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
 /// The memory-mapped files of one checkpoint, and which file holds each tensor.
 pub(crate) struct SafetensorsWeights {
     files: Vec<(PathBuf, Mmap)>,
@@ -24,21 +43,10 @@ impl SafetensorsWeights {
     pub fn open(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index.is_file() {
-            let text = std::fs::read_to_string(&index)
-                .with_context(|| format!("cannot read {}", index.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not valid JSON", index.display()))?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| anyhow!("{}: missing `weight_map`", index.display()))?;
-            let mut files: Vec<String> = map
-                .values()
-                .filter_map(|f| f.as_str().map(str::to_string))
-                .collect();
-            files.sort();
-            files.dedup();
-            files.into_iter().map(|f| dir.join(f)).collect()
+            index_shards(&index)?
+                .into_iter()
+                .map(|f| dir.join(f))
+                .collect()
         } else if dir.join("model.safetensors").is_file() {
             vec![dir.join("model.safetensors")]
         } else {

@@ -7,6 +7,8 @@
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
+#                                     reliability: soak (scripts/soak.sh on the Qwen3-0.6B shape,
+#                                     $SOAK_SECONDS, default 480; set STAGE_TIMEOUT above it)
 #                                     (default: info kernels kernel-bench model serve parity bench)
 #
 # It runs prebuilt binaries from .gpu/ (built on the development machine, see
@@ -328,6 +330,10 @@ for s in $STAGES; do
     tp-70b) stage tp-70b tp_70b ;;
     tp-parity) stage tp-parity python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
     tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
+    soak)
+        make_model qwen3-0.6b "$MODELS/qwen3-0.6b"
+        stage soak bash scripts/soak.sh --bin "$BIN" --device cuda --model "$MODELS/qwen3-0.6b" \
+            --seconds "${SOAK_SECONDS:-480}" --clients 64 ;;
     gguf-parity) stage gguf-parity python3 scripts/gguf_parity.py --bin "$BIN" --gguf "$(smollm2_setup)" ;;
     *) echo "unknown stage $s" ;;
     esac

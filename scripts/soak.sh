@@ -42,7 +42,7 @@ RUST_LOG=warn "$BIN" serve --model "$MODEL" --device "$DEVICE" --port "$PORT" \
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 600); do
-    curl -sf "localhost:$PORT/health" >/dev/null 2>&1 && break
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null && break
     kill -0 $SERVER 2>/dev/null || { echo "server exited:"; tail -20 "$WORK/serve.log"; exit 1; }
     sleep 0.2
 done
@@ -63,7 +63,7 @@ RC=$?
 set -e
 kill -TERM $SERVER
 for _ in $(seq 150); do kill -0 $SERVER 2>/dev/null || break; sleep 0.2; done
-LEFT=$(for p in ${PIDS//,/ }; do [ -e /proc/$p ] && echo $p; done | tr '\n' ' ')
+LEFT=$(for p in ${PIDS//,/ }; do if [ -e /proc/$p ]; then echo $p; fi; done | tr '\n' ' ')
 if [ -n "$LEFT" ]; then
     echo "| processes left after SIGTERM | FAIL | $LEFT |"
     RC=1

@@ -6,6 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{metric, post_json, sse_events, Server};
+use futures::StreamExt;
 use serde_json::{json, Value};
 
 async fn completion(server: &Server, body: Value) -> Value {
@@ -374,4 +375,107 @@ async fn a_seed_gives_the_same_tokens_whatever_shares_the_batch() {
         futures::future::join_all(noise)
     );
     assert_eq!(crowded["choices"][0]["text"], alone["choices"][0]["text"]);
+}
+
+/// Waits until the engine is idle again: no request running or waiting, no KV block held.
+async fn wait_idle(server: &Server, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let running = metric(server, "vllm:num_requests_running").await;
+        let waiting = metric(server, "vllm:num_requests_waiting").await;
+        let usage = metric(server, "vllm:kv_cache_usage_perc").await;
+        if running == 0.0 && waiting == 0.0 && usage == 0.0 {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "not idle after {limit:?}: {running} running, {waiting} waiting, KV usage {usage}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One request may ask for at most --max-num-seqs sequences (64 on the CPU), refused
+/// before any work; and the worst request allowed (64 samples, each running to the end of
+/// the context) leaves other clients their share: a short request still answers within a
+/// second.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_request_never_holds_more_than_its_share() {
+    let server = Server::start(&[]);
+    let refused = Instant::now();
+    let cases = [
+        (
+            json!({"prompt": "hi", "n": 1_000_000, "max_tokens": 1}),
+            "n",
+            "n must be at most 64 (--max-num-seqs), got 1000000.",
+        ),
+        (
+            json!({"prompt": "hi", "n": 2, "best_of": 65}),
+            "best_of",
+            "best_of must be at most 64 (--max-num-seqs), got 65.",
+        ),
+        (
+            json!({"prompt": vec!["a"; 33], "n": 2}),
+            "prompt",
+            "66 sequences (33 prompts × n=2)",
+        ),
+        (
+            json!({"prompt": "hi", "max_tokens": 32768}),
+            "max_tokens",
+            "max_tokens must be at most 32767",
+        ),
+    ];
+    for (body, param, message) in cases {
+        let (status, err) = post_json(&server, "/v1/completions", &body).await;
+        assert_eq!(status, 400, "{body} → {err}");
+        assert_eq!(err["error"]["param"], param, "{err}");
+        let text = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            text.contains(message),
+            "{body}: expected {message:?} in {err}"
+        );
+    }
+    assert!(
+        refused.elapsed() < Duration::from_secs(1),
+        "refusals took {:?}: work was done first",
+        refused.elapsed()
+    );
+
+    // "hog" is 3 tokens (one per byte): max_tokens fills the context exactly.
+    let worst = json!({"prompt": "hog", "n": 64, "max_tokens": 32768 - 3, "ignore_eos": true, "stream": true});
+    let resp = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .json(&worst)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    let mut hog = resp.bytes_stream();
+    let drain = tokio::spawn(async move { while hog.next().await.is_some() {} });
+    let start = Instant::now();
+    while metric(&server, "vllm:num_requests_running").await < 64.0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the 64 samples never all ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for i in 0..3 {
+        let asked = Instant::now();
+        let body = json!({"prompt": format!("meanwhile {i}"), "max_tokens": 5, "ignore_eos": true});
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            post_json(&server, "/v1/completions", &body),
+        )
+        .await;
+        let (status, body) = answer.expect("a short request starved beside the worst allowed one");
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            asked.elapsed() < Duration::from_secs(1),
+            "a short request took {:?} beside the worst allowed one",
+            asked.elapsed()
+        );
+    }
+    drain.abort();
+    wait_idle(&server, Duration::from_secs(10)).await;
 }

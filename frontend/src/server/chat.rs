@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 use vllm_protocol::TokenLogprobs;
 
 use super::choices::{self, created, engine_error, random_id, usage, Choice, FinishedChoice};
-use super::request_fields::{parse_body, SamplingFields};
+use super::request_fields::{check_request_size, parse_body, SamplingFields};
 use super::{ApiError, AppState};
 use crate::chat_template::{normalize_messages, RenderOptions};
 use crate::tokenizer::Tokenizer;
@@ -84,6 +84,13 @@ fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), Ap
     let req: ChatRequest = parse_body(body, FIELDS)?;
     let model = state.model_name(req.model.as_deref())?;
     state.check_alive()?;
+    check_request_size(
+        req.sampling.n,
+        1,
+        req.max_completion_tokens.or(req.max_tokens),
+        state.llm.max_num_seqs,
+        state.llm.max_model_len(),
+    )?;
     let logprobs = req.logprobs.unwrap_or(false);
     if let Some(k) = req.top_logprobs {
         if !logprobs {

@@ -71,6 +71,7 @@ pub fn start_choices(
                     child,
                     sampling.text_options(),
                     sampling.priority.unwrap_or(0),
+                    Some(request_id.to_string()),
                 )
                 .map_err(|e| ApiError::unavailable(format!("{e:#}")))?;
             choices.push(Choice {

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use vllm_protocol::TokenLogprobs;
 
 use super::choices::{self, created, engine_error, random_id, usage, Choice, FinishedChoice};
-use super::request_fields::{parse_body, SamplingFields};
+use super::request_fields::{check_request_size, parse_body, SamplingFields};
 use super::{ApiError, AppState};
 use crate::tokenizer::Tokenizer;
 
@@ -40,6 +40,17 @@ enum Prompt {
     Texts(Vec<String>),
     Tokens(Vec<u32>),
     TokenLists(Vec<Vec<u32>>),
+}
+
+impl Prompt {
+    /// How many prompts (each of which runs `n` times).
+    fn len(&self) -> usize {
+        match self {
+            Prompt::Text(_) | Prompt::Tokens(_) => 1,
+            Prompt::Texts(v) => v.len(),
+            Prompt::TokenLists(v) => v.len(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -96,6 +107,20 @@ fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), Ap
             "suffix is not supported.",
         ));
     }
+    let max_num_seqs = state.llm.max_num_seqs;
+    if let Some(b) = req.best_of.filter(|&b| b > max_num_seqs) {
+        return Err(ApiError::invalid_param(
+            "best_of",
+            format!("best_of must be at most {max_num_seqs} (--max-num-seqs), got {b}."),
+        ));
+    }
+    check_request_size(
+        req.sampling.n,
+        req.prompt.len(),
+        req.max_tokens,
+        max_num_seqs,
+        state.llm.max_model_len(),
+    )?;
     if req
         .best_of
         .is_some_and(|b| b != req.sampling.n.unwrap_or(1))

@@ -142,6 +142,51 @@ impl SamplingFields {
     }
 }
 
+/// Bounds what one request may ask for, checked before any prompt is tokenized or any
+/// engine request made: at most `--max-num-seqs` sequences (prompts × n, so one request
+/// is at most one full step of the engine, and its outputs fit the frontend's memory),
+/// and a `max_tokens` that leaves room for a prompt in the context.
+pub fn check_request_size(
+    n: Option<u32>,
+    num_prompts: usize,
+    max_tokens: Option<u32>,
+    max_num_seqs: u32,
+    max_model_len: u32,
+) -> Result<(), ApiError> {
+    let n = n.unwrap_or(1);
+    if n < 1 {
+        return Err(ApiError::invalid_param(
+            "n",
+            format!("n must be at least 1, got {n}."),
+        ));
+    }
+    if n > max_num_seqs {
+        return Err(ApiError::invalid_param(
+            "n",
+            format!("n must be at most {max_num_seqs} (--max-num-seqs), got {n}."),
+        ));
+    }
+    let sequences = num_prompts as u64 * u64::from(n);
+    if sequences > u64::from(max_num_seqs) {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!(
+                "The request asks for {sequences} sequences ({num_prompts} prompts × n={n}), but one request may ask for at most {max_num_seqs} (--max-num-seqs)."
+            ),
+        ));
+    }
+    if let Some(m) = max_tokens.filter(|&m| m >= max_model_len) {
+        return Err(ApiError::invalid_param(
+            "max_tokens",
+            format!(
+                "max_tokens must be at most {} (the context length {max_model_len} less a one-token prompt), got {m}.",
+                max_model_len.saturating_sub(1)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Resolves `max_tokens` against the context, with vLLM's messages for prompts that do not
 /// fit: an absent `max_tokens` means "up to the context length".
 pub fn resolve_max_tokens(

@@ -120,11 +120,15 @@ async fn invalid_requests_get_openai_shaped_errors() {
             400,
             "temperature must be non-negative",
         ),
-        (json!({"prompt": "x", "n": 0}), 400, "n must be at least 1"),
+        (
+            json!({"prompt": "x", "n": 0}),
+            400,
+            "n must be an integer in [1, 64] (--max-num-seqs), got 0.",
+        ),
         (
             json!({"prompt": "x", "max_tokens": 0}),
             400,
-            "max_tokens must be at least 1",
+            "max_tokens must be an integer in [1, 32767]",
         ),
         (
             json!({"prompt": "x", "min_tokens": 9, "max_tokens": 3}),
@@ -158,7 +162,11 @@ async fn invalid_requests_get_openai_shaped_errors() {
             404,
             "The model `nope` does not exist.",
         ),
-        (json!({"prompt": [999999]}), 400, "out of vocabulary"),
+        (
+            json!({"prompt": [999999]}),
+            400,
+            "prompt[0] must be a token id in [0, 511]",
+        ),
     ];
     for (body, status, message) in cases {
         let (got, err) = post_json(&server, "/v1/completions", &body).await;
@@ -407,12 +415,12 @@ async fn one_request_never_holds_more_than_its_share() {
         (
             json!({"prompt": "hi", "n": 1_000_000, "max_tokens": 1}),
             "n",
-            "n must be at most 64 (--max-num-seqs), got 1000000.",
+            "n must be an integer in [1, 64] (--max-num-seqs), got 1000000.",
         ),
         (
             json!({"prompt": "hi", "n": 2, "best_of": 65}),
             "best_of",
-            "best_of must be at most 64 (--max-num-seqs), got 65.",
+            "best_of must be an integer in [1, 64] (--max-num-seqs), got 65.",
         ),
         (
             json!({"prompt": vec!["a"; 33], "n": 2}),
@@ -422,7 +430,7 @@ async fn one_request_never_holds_more_than_its_share() {
         (
             json!({"prompt": "hi", "max_tokens": 32768}),
             "max_tokens",
-            "max_tokens must be at most 32767",
+            "max_tokens must be an integer in [1, 32767]",
         ),
     ];
     for (body, param, message) in cases {
@@ -478,4 +486,318 @@ async fn one_request_never_holds_more_than_its_share() {
     }
     drain.abort();
     wait_idle(&server, Duration::from_secs(10)).await;
+}
+
+/// Sends `body` as it is, with `content_type` (none when `None`) and the API key `key`.
+async fn raw(
+    server: &Server,
+    method: reqwest::Method,
+    path: &str,
+    content_type: Option<&str>,
+    body: Vec<u8>,
+    key: Option<&str>,
+) -> (u16, Value) {
+    let mut req = reqwest::Client::new().request(method, server.url(path));
+    if let Some(ct) = content_type {
+        req = req.header("content-type", ct);
+    }
+    if let Some(key) = key {
+        req = req.bearer_auth(key);
+    }
+    let resp = req.body(body).send().await.expect("send");
+    let status = resp.status().as_u16();
+    (status, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// One bad input: where it goes, what it is, and the error it must get.
+struct Bad {
+    path: &'static str,
+    body: Vec<u8>,
+    status: u16,
+    param: Option<&'static str>,
+    message: &'static str,
+}
+
+fn bad(path: &'static str, body: Value, param: &'static str, message: &'static str) -> Bad {
+    Bad {
+        path,
+        body: body.to_string().into_bytes(),
+        status: 400,
+        param: Some(param),
+        message,
+    }
+}
+
+fn bad_bytes(body: &[u8], status: u16, message: &'static str) -> Bad {
+    Bad {
+        path: "/v1/completions",
+        body: body.to_vec(),
+        status,
+        param: None,
+        message,
+    }
+}
+
+/// Every bad input gets an error in OpenAI's shape, with the right status, a `param`
+/// naming the field, and a message naming the field, the value and what is allowed;
+/// afterwards the server still serves.
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_inputs_get_errors_naming_the_field_the_value_and_the_range() {
+    let server = Server::start(&["--api-key", "sesame"]);
+    let key = Some("sesame");
+    let c = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let deep = format!("{{\"prompt\": {}{}}}", "[".repeat(200), "]".repeat(200));
+    let cases = vec![
+        // The body itself.
+        bad_bytes(b"{\"prompt\": \"x\",}", 400, "Invalid JSON in request body at line 1"),
+        bad_bytes(b"{\"prompt\": \"x\", \"max_tokens\": 5", 400, "it ends early"),
+        bad_bytes(b"[1, 2]", 400, "must be a JSON object, got an array"),
+        bad_bytes(b"\"hello\"", 400, "must be a JSON object, got a string"),
+        bad_bytes(b"", 400, "The request body is empty"),
+        bad_bytes(deep.as_bytes(), 400, "nests deeper than 128 levels"),
+        bad_bytes(b"{\"prompt\": \"\xff\"}", 400, "not valid UTF-8: byte 12 (0xff)"),
+        bad(c, json!({"prompt": "x", "best_of_n_tries": 2}), "best_of_n_tries", "Unsupported field `best_of_n_tries`"),
+        // Every sampling field: wrong types and values out of range.
+        bad(c, json!({"prompt": "x", "n": "two"}), "n", "n must be an integer in [1, 64] (--max-num-seqs), got a string \"two\"."),
+        bad(c, json!({"prompt": "x", "n": 0}), "n", "n must be an integer in [1, 64] (--max-num-seqs), got 0."),
+        bad(c, json!({"prompt": "x", "n": 1.5}), "n", "got 1.5."),
+        bad(c, json!({"prompt": "x", "temperature": "hot"}), "temperature", "temperature must be a number ≥ 0, got a string \"hot\"."),
+        bad(c, json!({"prompt": "x", "temperature": -1}), "temperature", "temperature must be non-negative, got -1."),
+        bad(c, json!({"prompt": "x", "top_p": 1.5}), "top_p", "top_p must be in (0, 1], got 1.5."),
+        bad(c, json!({"prompt": "x", "top_p": 0}), "top_p", "top_p must be in (0, 1], got 0."),
+        bad(c, json!({"prompt": "x", "top_p": []}), "top_p", "top_p must be a number in (0, 1], got an array []."),
+        bad(c, json!({"prompt": "x", "top_k": -2}), "top_k", "top_k must be an integer in [-1, 2147483647] (0 or -1 disables it), got -2."),
+        bad(c, json!({"prompt": "x", "top_k": 1.5}), "top_k", "top_k must be an integer in [-1, 2147483647]"),
+        bad(c, json!({"prompt": "x", "min_p": 2}), "min_p", "min_p must be in [0, 1], got 2."),
+        bad(c, json!({"prompt": "x", "min_p": true}), "min_p", "min_p must be a number in [0, 1], got true."),
+        bad(c, json!({"prompt": "x", "seed": "x"}), "seed", "seed must be an integer in [-9223372036854775808, 18446744073709551615], got a string \"x\"."),
+        bad(c, json!({"prompt": "x", "seed": 1.5}), "seed", "seed must be an integer in"),
+        bad(c, json!({"prompt": "x", "stop": 5}), "stop", "stop must be a string or a list of strings, got 5."),
+        bad(c, json!({"prompt": "x", "stop": [""]}), "stop", "stop cannot contain an empty string, got one at stop[0]."),
+        bad(c, json!({"prompt": "x", "stop": ["a", 1]}), "stop", "stop[1] must be a string, got 1."),
+        bad(c, json!({"prompt": "x", "stop_token_ids": [-1]}), "stop_token_ids", "stop_token_ids[0] must be a token id in [0, 511] (the vocabulary has 512 tokens), got -1."),
+        bad(c, json!({"prompt": "x", "stop_token_ids": [7, 512]}), "stop_token_ids", "stop_token_ids[1] must be a token id in [0, 511] (the vocabulary has 512 tokens), got 512."),
+        bad(c, json!({"prompt": "x", "stop_token_ids": "1"}), "stop_token_ids", "stop_token_ids must be a list of token ids, got a string \"1\"."),
+        bad(c, json!({"prompt": "x", "ignore_eos": "yes"}), "ignore_eos", "ignore_eos must be true or false, got a string \"yes\"."),
+        bad(c, json!({"prompt": "x", "min_tokens": -1}), "min_tokens", "min_tokens must be an integer in [0, 4294967295], got -1."),
+        bad(c, json!({"prompt": "x", "min_tokens": 9, "max_tokens": 3}), "min_tokens", "min_tokens must be less than or equal to max_tokens=3, got 9."),
+        bad(c, json!({"prompt": "x", "presence_penalty": 3}), "presence_penalty", "presence_penalty must be in [-2, 2], got 3."),
+        bad(c, json!({"prompt": "x", "frequency_penalty": -2.5}), "frequency_penalty", "frequency_penalty must be in [-2, 2], got -2.5."),
+        bad(c, json!({"prompt": "x", "repetition_penalty": 0}), "repetition_penalty", "repetition_penalty must be greater than zero, got 0."),
+        bad(c, json!({"prompt": "x", "logit_bias": {"abc": 1}}), "logit_bias", "logit_bias keys must be token ids, got \"abc\"."),
+        bad(c, json!({"prompt": "x", "logit_bias": {"5": "x"}}), "logit_bias", "logit_bias[\"5\"] must be a number in [-100, 100], got a string \"x\"."),
+        bad(c, json!({"prompt": "x", "logit_bias": {"600": 1}}), "logit_bias", "token_id 600 in logit_bias contains out-of-vocab token id. Vocabulary size: 512"),
+        bad(c, json!({"prompt": "x", "logit_bias": [1]}), "logit_bias", "logit_bias must be an object, got an array [1]."),
+        bad(c, json!({"prompt": "x", "priority": "high"}), "priority", "priority must be an integer in [-2147483648, 2147483647], got a string \"high\"."),
+        bad(c, json!({"prompt": "x", "max_tokens": -1}), "max_tokens", "max_tokens must be an integer in [1, 32767] (the context length less a one-token prompt), got -1."),
+        bad(c, json!({"prompt": "x", "max_tokens": "ten"}), "max_tokens", "max_tokens must be an integer in [1, 32767] (the context length less a one-token prompt), got a string \"ten\"."),
+        bad(c, json!({"prompt": "x", "max_tokens": 32768}), "max_tokens", "got 32768."),
+        bad(c, json!({"prompt": "x", "logprobs": 21}), "logprobs", "logprobs must be an integer in [0, 20], got 21."),
+        bad(c, json!({"prompt": "x", "logprobs": -1}), "logprobs", "logprobs must be an integer in [0, 20], got -1."),
+        bad(c, json!({"prompt": "x", "echo": 1}), "echo", "echo must be true or false, got 1."),
+        bad(c, json!({"prompt": "x", "stream": "true"}), "stream", "stream must be true or false, got a string \"true\"."),
+        bad(c, json!({"prompt": "x", "stream_options": {"include_usage": true}}), "stream_options", "Stream options can only be defined when `stream=True`."),
+        bad(c, json!({"prompt": "x", "stream": true, "stream_options": {"include_usage": "yes"}}), "stream_options", "stream_options.include_usage must be true or false, got a string \"yes\"."),
+        bad(c, json!({"prompt": "x", "best_of": 2}), "best_of", "best_of is not supported (only best_of == n), got best_of=2 with n=1."),
+        bad(c, json!({"prompt": "x", "suffix": "y"}), "suffix", "suffix is not supported."),
+        bad(c, json!({"prompt": "x", "model": 5}), "model", "model must be a string, got 5."),
+        // Prompts: missing, empty, out of the vocabulary, of the wrong shape, too long.
+        bad(c, json!({"max_tokens": 2}), "prompt", "prompt is required: a string, a list of strings, a list of token ids or a list of lists of token ids."),
+        bad(c, json!({"prompt": ""}), "prompt", "The prompt must not be empty"),
+        bad(c, json!({"prompt": []}), "prompt", "The prompt must not be empty, got []."),
+        bad(c, json!({"prompt": [-1]}), "prompt", "prompt[0] must be a token id in [0, 511] (the vocabulary has 512 tokens), got -1."),
+        bad(c, json!({"prompt": [1, 512]}), "prompt", "prompt[1] must be a token id in [0, 511] (the vocabulary has 512 tokens), got 512."),
+        bad(c, json!({"prompt": [1, "a"]}), "prompt", "prompt[1] must be a token id in [0, 511] (the vocabulary has 512 tokens), got a string \"a\"."),
+        bad(c, json!({"prompt": [[1], [600]]}), "prompt", "prompt[1][0] must be a token id in [0, 511] (the vocabulary has 512 tokens), got 600."),
+        bad(c, json!({"prompt": ["a", 1]}), "prompt", "prompt[1] must be a string, as prompt[0] is, got 1."),
+        bad(c, json!({"prompt": {"a": 1}}), "prompt", "got an object {\"a\":1}."),
+        bad(c, json!({"prompt": [true]}), "prompt", "prompt[0] is true."),
+        bad(c, json!({"prompt": vec![97; 40000]}), "prompt", "This model's maximum context length is 32768 tokens. However, your request has 40000 input tokens."),
+        bad(c, json!({"prompt": vec![97; 30000], "max_tokens": 5000}), "max_tokens", "However, you requested 35000 tokens (30000 in the messages, 5000 in the completion)."),
+        bad(c, json!({"prompt": vec!["a"; 33], "n": 2}), "prompt", "The request asks for 66 sequences (33 prompts × n=2), but one request may ask for at most 64 (--max-num-seqs)."),
+        // Chat messages and fields.
+        bad(chat, json!({"max_tokens": 2}), "messages", "messages is required: a list of message objects."),
+        bad(chat, json!({"messages": "hello"}), "messages", "messages must be a list of message objects."),
+        bad(chat, json!({"messages": []}), "messages", "messages must not be empty."),
+        bad(chat, json!({"messages": [1]}), "messages", "messages[0] must be an object."),
+        bad(chat, json!({"messages": [{"content": "x"}]}), "messages", "messages[0] needs a string `role`."),
+        bad(chat, json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages", "messages[0].role `wizard` is not one of"),
+        bad(chat, json!({"messages": [{"role": "user", "content": 5}]}), "messages", "messages[0].content must be a string or a list of content parts."),
+        bad(chat, json!({"messages": user, "logprobs": true, "top_logprobs": 21}), "top_logprobs", "top_logprobs must be an integer in [0, 20], got 21."),
+        bad(chat, json!({"messages": user, "top_logprobs": 2}), "top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true."),
+        bad(chat, json!({"messages": user, "max_completion_tokens": 0}), "max_completion_tokens", "max_completion_tokens must be an integer in [1, 32767]"),
+        bad(chat, json!({"messages": user, "n": 65}), "n", "n must be an integer in [1, 64] (--max-num-seqs), got 65."),
+        bad(chat, json!({"messages": user, "logprobs": "yes"}), "logprobs", "logprobs must be true or false, got a string \"yes\"."),
+        bad(chat, json!({"messages": user, "chat_template_kwargs": 3}), "chat_template_kwargs", "chat_template_kwargs must be an object, got 3."),
+        // /tokenize and /detokenize.
+        bad("/tokenize", json!({}), "prompt", "prompt is required: the text to tokenize."),
+        bad("/tokenize", json!({"prompt": 5}), "prompt", "prompt must be a string, got 5."),
+        bad("/tokenize", json!({"prompt": "x", "add_special_tokens": "no"}), "add_special_tokens", "add_special_tokens must be true or false, got a string \"no\"."),
+        bad("/tokenize", json!({"prompt": "x", "messages": []}), "messages", "Unsupported field `messages`"),
+        bad("/detokenize", json!({"tokens": [600]}), "tokens", "tokens[0] must be a token id in [0, 511] (the vocabulary has 512 tokens), got 600."),
+        bad("/detokenize", json!({"tokens": [-1]}), "tokens", "got -1."),
+        bad("/detokenize", json!({"tokens": "abc"}), "tokens", "tokens must be a list of token ids, got a string \"abc\"."),
+        bad("/detokenize", json!({}), "tokens", "tokens is required: a list of token ids."),
+    ];
+    assert!(cases.len() >= 50);
+    for case in &cases {
+        let (status, err) = raw(
+            &server,
+            reqwest::Method::POST,
+            case.path,
+            Some("application/json"),
+            case.body.clone(),
+            key,
+        )
+        .await;
+        let shown = String::from_utf8_lossy(&case.body)
+            .chars()
+            .take(120)
+            .collect::<String>();
+        assert_eq!(status, case.status, "{} {shown} → {err}", case.path);
+        assert_eq!(
+            err["error"]["param"].as_str(),
+            case.param,
+            "{} {shown} → {err}",
+            case.path
+        );
+        assert_eq!(err["error"]["code"], case.status, "{err}");
+        assert!(err["error"]["type"].is_string(), "{err}");
+        let message = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(case.message),
+            "{} {shown}: expected {:?} in {err}",
+            case.path,
+            case.message
+        );
+        assert!(
+            !message.contains("expected u32") && !message.contains("invalid type"),
+            "serde's wording: {message}"
+        );
+    }
+
+    // The router, the content type, the size limit and the key: the same shape.
+    let get = reqwest::Method::GET;
+    let post = reqwest::Method::POST;
+    let x = || json!({"prompt": "x"}).to_string().into_bytes();
+    let big = format!("{{\"prompt\": \"{}\"}}", "x".repeat(9 << 20)).into_bytes();
+    let others: Vec<(
+        reqwest::Method,
+        &str,
+        Option<&str>,
+        Vec<u8>,
+        Option<&str>,
+        u16,
+        &str,
+    )> = vec![
+        (
+            get.clone(),
+            "/v1/nothing",
+            None,
+            vec![],
+            key,
+            404,
+            "there is no endpoint at `/v1/nothing`",
+        ),
+        (
+            get.clone(),
+            "/nothing",
+            None,
+            vec![],
+            None,
+            404,
+            "there is no endpoint at `/nothing`",
+        ),
+        (
+            get.clone(),
+            c,
+            None,
+            vec![],
+            key,
+            405,
+            "`/v1/completions` does not answer GET",
+        ),
+        (
+            reqwest::Method::DELETE,
+            "/health",
+            None,
+            vec![],
+            None,
+            405,
+            "`/health` does not answer DELETE",
+        ),
+        (
+            post.clone(),
+            c,
+            Some("text/plain"),
+            x(),
+            key,
+            415,
+            "Content-Type must be application/json, got `text/plain`.",
+        ),
+        (
+            post.clone(),
+            "/tokenize",
+            Some("application/x-www-form-urlencoded"),
+            b"prompt=x".to_vec(),
+            None,
+            415,
+            "Content-Type must be application/json",
+        ),
+        (
+            post.clone(),
+            c,
+            Some("application/json"),
+            big,
+            key,
+            413,
+            "The request body is larger than the limit of 8388608 bytes (8 MiB).",
+        ),
+        (
+            post.clone(),
+            c,
+            Some("application/json"),
+            x(),
+            None,
+            401,
+            "missing or invalid API key",
+        ),
+        (
+            post.clone(),
+            c,
+            Some("application/json"),
+            x(),
+            Some("wrong"),
+            401,
+            "missing or invalid API key",
+        ),
+    ];
+    for (method, path, ct, body, key, status, message) in others {
+        let (got, err) = raw(&server, method.clone(), path, ct, body, key).await;
+        assert_eq!(got, status, "{method} {path} → {err}");
+        assert_eq!(err["error"]["code"], status, "{err}");
+        assert!(err["error"]["param"].is_null(), "{err}");
+        assert!(err["error"]["type"].is_string(), "{err}");
+        let text = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            text.contains(message),
+            "{method} {path}: expected {message:?} in {err}"
+        );
+    }
+
+    let (status, body) = raw(
+        &server,
+        post,
+        c,
+        None,
+        json!({"prompt": "still serving", "max_tokens": 2})
+            .to_string()
+            .into_bytes(),
+        key,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 2);
 }

@@ -1,5 +1,6 @@
 //! API errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, with the
-//! HTTP status that goes with each kind.
+//! HTTP status that goes with each kind. Every error the server answers has this shape,
+//! those of the router (404, 405) and of reading the body (400, 413, 415) included.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -38,10 +39,43 @@ impl ApiError {
         }
     }
 
+    /// The same error, naming `param`.
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
     pub fn unauthorized() -> Self {
         Self {
             status: StatusCode::UNAUTHORIZED,
             message: "Unauthorized: missing or invalid API key".into(),
+            param: None,
+        }
+    }
+
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn payload_too_large(limit_bytes: usize) -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!(
+                "The request body is larger than the limit of {limit_bytes} bytes ({} MiB).",
+                limit_bytes >> 20
+            ),
+            param: None,
+        }
+    }
+
+    pub fn unsupported_media_type(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            message: message.into(),
             param: None,
         }
     }
@@ -68,6 +102,9 @@ impl ApiError {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::UNAUTHORIZED => "AuthenticationError",
             StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::METHOD_NOT_ALLOWED => "MethodNotAllowedError",
+            StatusCode::PAYLOAD_TOO_LARGE => "RequestTooLargeError",
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => "UnsupportedMediaTypeError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
             _ => "InternalServerError",
         }

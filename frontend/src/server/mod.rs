@@ -2,10 +2,12 @@
 //! and serves until Ctrl-C / SIGTERM (clean exit) or until the engine dies (exit 1 after a
 //! short grace, so in-flight responses can carry their error to the clients).
 
+mod body;
 mod chat;
 mod choices;
 mod completions;
 mod error;
+mod fields;
 mod health;
 mod info;
 mod request_fields;
@@ -14,7 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
@@ -41,9 +44,10 @@ impl AppState {
         match requested {
             None => Ok(self.served_model_names[0].clone()),
             Some(name) if self.served_model_names.iter().any(|n| n == name) => Ok(name.to_string()),
-            Some(name) => Err(ApiError::not_found(format!(
-                "The model `{name}` does not exist."
-            ))),
+            Some(name) => Err(
+                ApiError::not_found(format!("The model `{name}` does not exist."))
+                    .with_param("model"),
+            ),
         }
     }
 
@@ -72,7 +76,24 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/version", get(info::version))
         .route("/tokenize", post(info::tokenize))
         .route("/detokenize", post(info::detokenize))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
         .with_state(state)
+}
+
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(format!(
+        "Not Found: there is no endpoint at `{}`.",
+        uri.path()
+    ))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(format!(
+        "Method Not Allowed: `{}` does not answer {method}.",
+        uri.path()
+    ))
 }
 
 async fn require_api_key(

@@ -190,37 +190,70 @@ async fn invalid_requests_get_openai_shaped_errors() {
     completion(&server, json!({"prompt": "still serving", "max_tokens": 2})).await;
 }
 
+/// The key comes from VLLM_API_KEY as well as --api-key; it guards every path under /v1
+/// (unknown ones too, as in vLLM), and /health, /metrics and /version stay open.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_api_key_guards_v1() {
-    let server = Server::start(&["--api-key", "sesame"]);
-    let (status, body) = post_json(
-        &server,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": 2}),
-    )
-    .await;
-    assert_eq!(status, 401, "{body}");
-    let resp = reqwest::Client::new()
-        .post(server.url("/v1/completions"))
-        .bearer_auth("wrong")
-        .json(&json!({"prompt": "x", "max_tokens": 2}))
-        .send()
+    let mut server = Server::spawn(common::tiny_model(), &[], &[("VLLM_API_KEY", "sesame")]);
+    server.wait_healthy(Duration::from_secs(120));
+    let send = |path: &str, key: Option<&str>| {
+        let mut req = reqwest::Client::new()
+            .post(server.url(path))
+            .json(&json!({"prompt": "x", "max_tokens": 2}));
+        if let Some(key) = key {
+            req = req.bearer_auth(key);
+        }
+        async move { req.send().await.expect("send").status().as_u16() }
+    };
+    assert_eq!(send("/v1/completions", None).await, 401);
+    assert_eq!(send("/v1/completions", Some("wrong")).await, 401);
+    assert_eq!(send("/v1/completions", Some("sesam")).await, 401);
+    assert_eq!(send("/v1/completions", Some("sesame")).await, 200);
+    assert_eq!(send("/v1/no-such-path", None).await, 401);
+    assert_eq!(send("/v1/no-such-path", Some("sesame")).await, 404);
+    for open in ["/health", "/metrics", "/version"] {
+        assert_eq!(
+            common::http_status(&server.url(open)),
+            Ok(200),
+            "{open} stays open"
+        );
+    }
+    let resp = reqwest::get(server.url("/v1/models"))
         .await
-        .expect("send");
+        .expect("models");
     assert_eq!(resp.status(), 401);
-    let resp = reqwest::Client::new()
-        .post(server.url("/v1/completions"))
-        .bearer_auth("sesame")
-        .json(&json!({"prompt": "x", "max_tokens": 2}))
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(resp.status(), 200);
-    assert_eq!(
-        common::http_status(&server.url("/health")),
-        Ok(200),
-        "/health stays open"
-    );
+}
+
+/// No prompt reaches the log, even at debug level, unless --enable-log-requests asks for
+/// it; with it, the request's id and parameters are logged, and its prompt at debug.
+#[tokio::test(flavor = "multi_thread")]
+async fn prompts_are_logged_only_with_enable_log_requests() {
+    for enabled in [false, true] {
+        let flags: &[&str] = if enabled {
+            &["--enable-log-requests"]
+        } else {
+            &[]
+        };
+        let mut server = Server::spawn(common::tiny_model(), flags, &[("RUST_LOG", "debug")]);
+        server.wait_healthy(Duration::from_secs(120));
+        let secret = "a secret prompt 8271";
+        completion(&server, json!({"prompt": secret, "max_tokens": 2})).await;
+        let body = json!({"messages": [{"role": "user", "content": secret}], "max_tokens": 2});
+        let (status, _) = post_json(&server, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200);
+        let log = server.log();
+        assert_eq!(
+            log.contains(secret),
+            enabled,
+            "--enable-log-requests {enabled}: the prompt {} the log:\n{log}",
+            if enabled {
+                "is missing from"
+            } else {
+                "reached"
+            }
+        );
+        assert_eq!(log.contains("received request"), enabled, "{log}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

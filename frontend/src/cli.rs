@@ -59,6 +59,13 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY).
     #[arg(long, env = "VLLM_API_KEY")]
     pub api_key: Option<String>,
+    /// Log each request's id and sampling parameters (info), and its prompt (debug, with
+    /// RUST_LOG=debug). Without it no prompt is ever logged.
+    #[arg(long, overrides_with = "disable_log_requests")]
+    pub enable_log_requests: bool,
+    /// The default; accepted for compatibility with older vLLM command lines.
+    #[arg(long, hide = true)]
+    pub disable_log_requests: bool,
     /// A Jinja chat template for /v1/chat/completions, replacing the tokenizer's.
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,

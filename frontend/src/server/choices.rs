@@ -55,6 +55,9 @@ pub fn start_choices(
         let max_tokens = resolve_max_tokens(prompt.len(), max_tokens, state.llm.max_model_len())?;
         planned.push(sampling.sampling_params(max_tokens, logprobs, vocab)?);
     }
+    if state.log_requests {
+        log_request(state, request_id, &prompts, &planned);
+    }
     let mut choices = Vec::new();
     for (i, (prompt, params)) in prompts.into_iter().zip(planned).enumerate() {
         for j in 0..n {
@@ -82,6 +85,33 @@ pub fn start_choices(
         }
     }
     Ok(choices)
+}
+
+/// `--enable-log-requests`: the request's id and parameters at info, its prompts (text)
+/// at debug. Nothing else in the server logs a prompt.
+fn log_request(
+    state: &AppState,
+    request_id: &str,
+    prompts: &[Vec<u32>],
+    params: &[vllm_protocol::SamplingParams],
+) {
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    tracing::info!(
+        request_id,
+        prompt_tokens = ?lens,
+        params = ?params.first(),
+        "received request"
+    );
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        for (i, prompt) in prompts.iter().enumerate() {
+            let text = state
+                .llm
+                .tokenizer
+                .decode(prompt, false)
+                .unwrap_or_default();
+            tracing::debug!(request_id, index = i, prompt = %text, "received prompt");
+        }
+    }
 }
 
 /// Runs a choice to its end.

@@ -2,6 +2,7 @@
 //! and serves until Ctrl-C / SIGTERM (clean exit) or until the engine dies (exit 1 after a
 //! short grace, so in-flight responses can carry their error to the clients).
 
+mod auth;
 mod body;
 mod chat;
 mod choices;
@@ -16,10 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::DefaultBodyLimit;
 use axum::http::{Method, Uri};
-use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::middleware;
 use axum::routing::{get, post};
 use axum::Router;
 
@@ -31,7 +31,10 @@ use crate::cli::ServeArgs;
 pub struct AppState {
     pub llm: AsyncLLM,
     pub served_model_names: Vec<String>,
+    /// `--api-key` (or VLLM_API_KEY), required on every path under /v1.
     pub api_key: Option<String>,
+    /// `--enable-log-requests`: log each request's parameters (and, at debug, its prompt).
+    pub log_requests: bool,
     /// The `--model` folder, reported as each model's `root`.
     pub model_path: String,
     /// `--chat-template FILE`, else the tokenizer's; None: chat requests get a 400.
@@ -61,16 +64,10 @@ impl AppState {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let v1 = Router::new()
+    Router::new()
         .route("/v1/completions", post(completions::create_completion))
         .route("/v1/chat/completions", post(chat::create_chat_completion))
         .route("/v1/models", get(info::models))
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            require_api_key,
-        ));
-    Router::new()
-        .merge(v1)
         .route("/health", get(health::health))
         .route("/metrics", get(health::metrics))
         .route("/version", get(info::version))
@@ -79,6 +76,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ))
         .with_state(state)
 }
 
@@ -94,23 +95,6 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
         "Method Not Allowed: `{}` does not answer {method}.",
         uri.path()
     ))
-}
-
-async fn require_api_key(
-    State(state): State<Arc<AppState>>,
-    req: Request,
-    next: Next,
-) -> Result<Response, ApiError> {
-    if let Some(key) = &state.api_key {
-        let given = req
-            .headers()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        if given != Some(format!("Bearer {key}").as_str()) {
-            return Err(ApiError::unauthorized());
-        }
-    }
-    Ok(next.run(req).await)
 }
 
 /// `vllm-rs serve`: returns the process's exit code.
@@ -130,7 +114,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         llm,
         chat_template,
         served_model_names: args.engine.served_model_names(),
-        api_key: args.api_key.clone(),
+        // An empty key guards nothing, as in vLLM.
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        log_requests: args.enable_log_requests,
         model_path: args.engine.model.display().to_string(),
     });
     let addr = format!("{}:{}", args.host, args.port);

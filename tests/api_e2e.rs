@@ -834,3 +834,107 @@ async fn bad_inputs_get_errors_naming_the_field_the_value_and_the_range() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["usage"]["completion_tokens"], 2);
 }
+
+/// --max-num-queued-reqs bounds the engine requests in flight (prompts × n each): a request
+/// that would go over gets a 503 in OpenAI's shape with Retry-After, at once; one that
+/// fits is served; when the others end, the room comes back.
+#[tokio::test(flavor = "multi_thread")]
+async fn over_max_num_queued_reqs_is_a_503_with_retry_after() {
+    let server = Server::start(&["--max-num-queued-reqs", "4"]);
+    let client = reqwest::Client::new();
+    let hog =
+        json!({"prompt": "hog", "n": 3, "max_tokens": 30000, "ignore_eos": true, "stream": true});
+    let resp = client
+        .post(server.url("/v1/completions"))
+        .json(&hog)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    let mut hog = resp.bytes_stream();
+    let drain = tokio::spawn(async move { while hog.next().await.is_some() {} });
+
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let body = json!({"prompt": "x", "messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 2});
+        let mut body = body.as_object().cloned().expect("object");
+        body.remove(if path == "/v1/completions" {
+            "messages"
+        } else {
+            "prompt"
+        });
+        let asked = Instant::now();
+        let resp = client
+            .post(server.url(path))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 503, "{path}");
+        assert_eq!(
+            resp.headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()),
+            Some("1"),
+            "{path}"
+        );
+        let err: Value = resp.json().await.expect("json");
+        assert_eq!(err["error"]["code"], 503, "{err}");
+        assert_eq!(err["error"]["type"], "ServiceUnavailableError", "{err}");
+        let message = err["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("3 requests are in flight and this one needs 2 more, but at most 4 may be (--max-num-queued-reqs)"),
+            "{err}"
+        );
+        assert!(asked.elapsed() < Duration::from_secs(1), "refused at once");
+    }
+    assert_eq!(
+        common::http_status(&server.url("/health")),
+        Ok(200),
+        "a full queue is not an unhealthy server"
+    );
+    completion(&server, json!({"prompt": "fits", "max_tokens": 2})).await;
+    drain.abort();
+    wait_idle(&server, Duration::from_secs(10)).await;
+    completion(
+        &server,
+        json!({"prompt": "room again", "n": 4, "max_tokens": 2}),
+    )
+    .await;
+}
+
+/// 200 streaming clients that go away at random moments (before their request is admitted,
+/// mid-prefill of a long prompt, mid-stream, or not at all): every abort reaches the
+/// engine, which holds nothing a second after the last client left.
+#[tokio::test(flavor = "multi_thread")]
+async fn clients_that_disconnect_at_random_moments_free_everything() {
+    use rand::{Rng, SeedableRng};
+    let server = Server::start(&[]);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let clients: Vec<_> = (0..200u32)
+        .map(|i| {
+            let prompt_len = if i % 4 == 0 {
+                rng.random_range(2000..6000)
+            } else {
+                rng.random_range(1..50)
+            };
+            let prompt: Vec<u32> = (0..prompt_len).map(|t| 97 + (t * 7 + i) % 26).collect();
+            let quit_after = Duration::from_millis(rng.random_range(0..1500));
+            let body = json!({"prompt": prompt, "max_tokens": rng.random_range(1..3000),
+                              "ignore_eos": true, "stream": true});
+            let url = server.url("/v1/completions");
+            async move {
+                let _ = tokio::time::timeout(quit_after, async move {
+                    let resp = reqwest::Client::new().post(url).json(&body).send().await?;
+                    let mut chunks = resp.bytes_stream();
+                    while let Some(chunk) = chunks.next().await {
+                        chunk?;
+                    }
+                    Ok::<(), reqwest::Error>(())
+                })
+                .await;
+            }
+        })
+        .collect();
+    futures::future::join_all(clients).await;
+    wait_idle(&server, Duration::from_secs(1)).await;
+}

@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY).
     #[arg(long, env = "VLLM_API_KEY")]
     pub api_key: Option<String>,
+    /// Most requests in flight (waiting or running; a request's prompts × n count one
+    /// each): one that would go over is refused with 503 and Retry-After. Default: no limit.
+    #[arg(long, value_name = "N")]
+    pub max_num_queued_reqs: Option<usize>,
     /// Log each request's id and sampling parameters (info), and its prompt (debug, with
     /// RUST_LOG=debug). Without it no prompt is ever logged.
     #[arg(long, overrides_with = "disable_log_requests")]

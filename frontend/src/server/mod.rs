@@ -2,6 +2,7 @@
 //! and serves until Ctrl-C / SIGTERM (clean exit) or until the engine dies (exit 1 after a
 //! short grace, so in-flight responses can carry their error to the clients).
 
+mod admission;
 mod auth;
 mod body;
 mod chat;
@@ -35,6 +36,8 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// `--enable-log-requests`: log each request's parameters (and, at debug, its prompt).
     pub log_requests: bool,
+    /// `--max-num-queued-reqs`: engine requests in flight, and their limit.
+    pub admission: admission::Admission,
     /// The `--model` folder, reported as each model's `root`.
     pub model_path: String,
     /// `--chat-template FILE`, else the tokenizer's; None: chat requests get a 400.
@@ -117,6 +120,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         // An empty key guards nothing, as in vLLM.
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         log_requests: args.enable_log_requests,
+        admission: admission::Admission::new(args.max_num_queued_reqs),
         model_path: args.engine.model.display().to_string(),
     });
     let addr = format!("{}:{}", args.host, args.port);

@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY).
     #[arg(long, env = "VLLM_API_KEY")]
     pub api_key: Option<String>,
+    /// Seconds the requests in flight may run on after SIGTERM or Ctrl-C (a second signal
+    /// ends them at once); meanwhile /health answers 503 and new requests are refused.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    pub shutdown_timeout: f64,
     /// Most requests in flight (waiting or running; a request's prompts × n count one
     /// each): one that would go over is refused with 503 and Retry-After. Default: no limit.
     #[arg(long, value_name = "N")]

@@ -177,6 +177,21 @@ impl EngineCoreClient {
         })
     }
 
+    /// Ends every request in flight with the error `why` and aborts them in the engine,
+    /// which frees their blocks (a shutdown past its timeout).
+    pub fn fail_in_flight(&self, why: &str) {
+        let ids: Vec<String> = lock(&self.routes)
+            .drain()
+            .map(|(id, tx)| {
+                let _ = tx.send(EngineCoreOutput::failed(id.clone(), why.to_string()));
+                id
+            })
+            .collect();
+        if !ids.is_empty() {
+            let _ = self.to_engine.send(EngineCoreInput::Abort(ids));
+        }
+    }
+
     /// Calls a utility method of the engine-core and waits for its answer.
     pub async fn call_utility(&self, method: UtilityMethod) -> anyhow::Result<UtilityOutput> {
         let call_id = self.next_call_id.fetch_add(1, Ordering::Relaxed);

@@ -310,6 +310,38 @@ pub fn is_alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// Whether `pid` still exists in any state, a zombie (exited, never reaped) included.
+pub fn exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Asserts that every process of `tree` is gone within `limit`, reaped by its parent: no
+/// process left, zombies included (a zombie whose parent has exited is init's to reap, and
+/// counts as gone only once that parent is).
+pub fn assert_gone(tree: &[u32], limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let left: Vec<(u32, String)> = tree
+            .iter()
+            .filter(|&&p| exists(p))
+            .map(|&p| {
+                (
+                    p,
+                    std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default(),
+                )
+            })
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "processes left after {limit:?}: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// POSTs JSON and returns (status, body).
 pub async fn post_json(
     server: &Server,

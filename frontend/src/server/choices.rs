@@ -209,7 +209,7 @@ pub fn merged(choices: Vec<Choice>) -> BoxStream<'static, (usize, RequestOutput)
 /// An engine-side failure: a rejection before any token is the client's fault (400), a
 /// dead engine is a 503, anything else the server's fault.
 pub fn engine_error(err: &str, before_first_token: bool) -> ApiError {
-    if err.starts_with("the engine died") {
+    if err.starts_with("the engine died") || err.starts_with(super::shutdown::SHUTTING_DOWN) {
         ApiError::unavailable(err)
     } else if before_first_token {
         ApiError::bad_request(err)

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP server (axum). `serve` starts the engine, binds the listener
-//! and serves until Ctrl-C / SIGTERM (clean exit) or until the engine dies (exit 1 after a
-//! short grace, so in-flight responses can carry their error to the clients).
+//! and serves until Ctrl-C / SIGTERM (a graceful drain, then exit 0: see `shutdown`) or
+//! until the engine dies (exit 1 after a short grace, so in-flight responses can carry
+//! their error to the clients).
 
 mod admission;
 mod auth;
@@ -13,7 +14,9 @@ mod fields;
 mod health;
 mod info;
 mod request_fields;
+mod shutdown;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,6 +41,8 @@ pub struct AppState {
     pub log_requests: bool,
     /// `--max-num-queued-reqs`: engine requests in flight, and their limit.
     pub admission: admission::Admission,
+    /// Set on SIGTERM: /health answers 503 and new requests are refused.
+    pub draining: AtomicBool,
     /// The `--model` folder, reported as each model's `root`.
     pub model_path: String,
     /// `--chat-template FILE`, else the tokenizer's; None: chat requests get a 400.
@@ -57,12 +62,18 @@ impl AppState {
         }
     }
 
-    /// 503 once the engine is dead, so no request is accepted that could never finish.
+    /// 503 once the engine is dead, so no request is accepted that could never finish, and
+    /// while the server shuts down.
     pub fn check_alive(&self) -> Result<(), ApiError> {
-        match self.llm.client.dead_reason() {
-            Some(why) => Err(ApiError::unavailable(format!("The engine is dead: {why}"))),
-            None => Ok(()),
+        if let Some(why) = self.llm.client.dead_reason() {
+            return Err(ApiError::unavailable(format!("The engine is dead: {why}")));
         }
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::unavailable(
+                "The server is shutting down: it takes no new requests.",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -102,6 +113,12 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 
 /// `vllm-rs serve`: returns the process's exit code.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
+    let shutdown_timeout = Duration::try_from_secs_f64(args.shutdown_timeout).map_err(|_| {
+        anyhow::anyhow!(
+            "--shutdown-timeout must be a number of seconds ≥ 0, got {}",
+            args.shutdown_timeout
+        )
+    })?;
     let llm = AsyncLLM::start(&args.engine).await?;
     let chat_template = match crate::chat_template::ChatTemplate::load(
         args.chat_template.as_deref(),
@@ -121,6 +138,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         log_requests: args.enable_log_requests,
         admission: admission::Admission::new(args.max_num_queued_reqs),
+        draining: AtomicBool::new(false),
         model_path: args.engine.model.display().to_string(),
     });
     let addr = format!("{}:{}", args.host, args.port);
@@ -148,8 +166,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
             tokio::time::sleep(Duration::from_secs(1)).await;
             1
         }
-        () = shutdown_signal() => {
-            tracing::info!("shutting down");
+        () = shutdown::signal() => {
+            shutdown::drain(&state, shutdown_timeout).await;
             0
         }
     };
@@ -157,20 +175,4 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     state.llm.shutdown().await;
     Ok(code)
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
-    }
 }

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{cmdline, descendants, is_alive, metric, tiny_model, Server};
+use common::{cmdline, descendants, metric, tiny_model, Server};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
@@ -184,6 +184,8 @@ async fn a_killed_worker_fails_requests_and_the_server_exits() {
     // SAFETY: kill(2) on a process of this test's own server.
     unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
     let killed_at = Instant::now();
+    // The engine-core waits on its dead worker: no zombie, never left to init.
+    common::assert_reaped_by_parent(worker, Duration::from_secs(5));
 
     let status = tokio::time::timeout(Duration::from_secs(10), in_flight)
         .await
@@ -206,9 +208,7 @@ async fn a_killed_worker_fails_requests_and_the_server_exits() {
         "the log names the dead process:\n{}",
         server.log()
     );
-    std::thread::sleep(Duration::from_millis(1500));
-    let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
-    assert!(left.is_empty(), "processes left behind: {left:?}");
+    common::assert_gone(&tree, Duration::from_secs(5));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -226,8 +226,40 @@ async fn sigterm_shuts_everything_down_cleanly() {
         "a requested shutdown exits 0, got {exit}:\n{}",
         server.log()
     );
-    let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
-    assert!(left.is_empty(), "processes left behind: {left:?}");
+    common::assert_gone(&tree, Duration::from_secs(5));
+}
+
+/// SIGKILL of the frontend, mid-stream, at TP=2: the engine-core notices, ends and reaps
+/// its workers (none is left to init), and exits; within 5 s no process of the run is
+/// left, zombies included.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_frontend_takes_the_engine_core_and_workers_with_it() {
+    let mut server = Server::start(&["--device", "cpu", "-t", "2"]);
+    let tree = descendants(server.pid());
+    assert_eq!(tree.len(), 3, "engine-core and two workers: {tree:?}");
+    let workers: Vec<u32> = tree
+        .iter()
+        .copied()
+        .filter(|&p| cmdline(p).contains(" worker "))
+        .collect();
+    let url = server.url("/v1/completions");
+    let in_flight = tokio::spawn(async move {
+        let body =
+            json!({"prompt": "in flight", "max_tokens": 30000, "ignore_eos": true, "stream": true});
+        let _ = reqwest::Client::new().post(url).json(&body).send().await;
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.child.kill().expect("SIGKILL the frontend");
+    let _ = server.child.wait();
+    let killed = Instant::now();
+    for worker in workers {
+        common::assert_reaped_by_parent(worker, Duration::from_secs(5));
+    }
+    common::assert_gone(
+        &tree,
+        Duration::from_secs(5).saturating_sub(killed.elapsed()),
+    );
+    in_flight.abort();
 }
 
 /// A completion of `max_tokens` tokens, started in the background: (status, body).

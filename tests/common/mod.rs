@@ -342,6 +342,26 @@ pub fn assert_gone(tree: &[u32], limit: Duration) {
     }
 }
 
+/// Asserts that `pid` disappears within `limit` reaped by its own parent: it is never
+/// re-parented to init, which happens when a parent exits without waiting on its child.
+pub fn assert_reaped_by_parent(pid: u32, limit: Duration) {
+    let parent = parent_of(pid);
+    let start = Instant::now();
+    while exists(pid) {
+        let now = parent_of(pid);
+        assert!(
+            now.is_none() || now == parent,
+            "pid {pid} was left to pid {now:?}: its parent {parent:?} exited without reaping it"
+        );
+        assert!(
+            start.elapsed() < limit,
+            "pid {pid} still exists after {limit:?}: {}",
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// POSTs JSON and returns (status, body).
 pub async fn post_json(
     server: &Server,

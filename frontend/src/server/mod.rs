@@ -142,9 +142,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         model_path: args.engine.model.display().to_string(),
     });
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))?;
+    let listener = match tokio::net::TcpListener::bind(&addr).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            state.llm.shutdown().await;
+            return Err(e).with_context(|| format!("cannot listen on {addr}"));
+        }
+    };
     tracing::info!(
         "serving {} on http://{addr}",
         state.served_model_names.join(", ")

@@ -542,6 +542,18 @@ async fn raw(
     (status, resp.json().await.unwrap_or(Value::Null))
 }
 
+/// A raw request and the error it must get: method, path, content type, body, API key,
+/// status, message.
+type RawCase<'a> = (
+    reqwest::Method,
+    &'a str,
+    Option<&'a str>,
+    Vec<u8>,
+    Option<&'a str>,
+    u16,
+    &'a str,
+);
+
 /// One bad input: where it goes, what it is, and the error it must get.
 struct Bad {
     path: &'static str,
@@ -716,15 +728,7 @@ async fn bad_inputs_get_errors_naming_the_field_the_value_and_the_range() {
     let post = reqwest::Method::POST;
     let x = || json!({"prompt": "x"}).to_string().into_bytes();
     let big = format!("{{\"prompt\": \"{}\"}}", "x".repeat(9 << 20)).into_bytes();
-    let others: Vec<(
-        reqwest::Method,
-        &str,
-        Option<&str>,
-        Vec<u8>,
-        Option<&str>,
-        u16,
-        &str,
-    )> = vec![
+    let others: Vec<RawCase> = vec![
         (
             get.clone(),
             "/v1/nothing",

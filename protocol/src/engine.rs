@@ -62,6 +62,9 @@ pub struct Register {
     pub rank: u32,
 }
 
+// A message is built once and moved to the socket: the size of its largest variant costs
+// nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum EngineCoreInput {
     Add(EngineCoreRequest),

@@ -301,7 +301,7 @@ async fn bad_requests_are_400() {
         ),
         (
             json!({"messages": user("x"), "max_completion_tokens": 100000}),
-            "max_tokens",
+            "max_completion_tokens",
         ),
     ];
     for (request, param) in cases {

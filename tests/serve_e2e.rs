@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{cmdline, descendants, is_alive, metric, tiny_model, Server};
+use common::{cmdline, descendants, metric, tiny_model, Server};
 use futures::StreamExt;
 use serde_json::{json, Value};
 
@@ -184,6 +184,8 @@ async fn a_killed_worker_fails_requests_and_the_server_exits() {
     // SAFETY: kill(2) on a process of this test's own server.
     unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
     let killed_at = Instant::now();
+    // The engine-core waits on its dead worker: no zombie, never left to init.
+    common::assert_reaped_by_parent(worker, Duration::from_secs(5));
 
     let status = tokio::time::timeout(Duration::from_secs(10), in_flight)
         .await
@@ -206,9 +208,7 @@ async fn a_killed_worker_fails_requests_and_the_server_exits() {
         "the log names the dead process:\n{}",
         server.log()
     );
-    std::thread::sleep(Duration::from_millis(1500));
-    let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
-    assert!(left.is_empty(), "processes left behind: {left:?}");
+    common::assert_gone(&tree, Duration::from_secs(5));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -226,6 +226,143 @@ async fn sigterm_shuts_everything_down_cleanly() {
         "a requested shutdown exits 0, got {exit}:\n{}",
         server.log()
     );
-    let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
-    assert!(left.is_empty(), "processes left behind: {left:?}");
+    common::assert_gone(&tree, Duration::from_secs(5));
+}
+
+/// SIGKILL of the frontend, mid-stream, at TP=2: the engine-core notices, ends and reaps
+/// its workers (none is left to init), and exits; within 5 s no process of the run is
+/// left, zombies included.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_frontend_takes_the_engine_core_and_workers_with_it() {
+    let mut server = Server::start(&["--device", "cpu", "-t", "2"]);
+    let tree = descendants(server.pid());
+    assert_eq!(tree.len(), 3, "engine-core and two workers: {tree:?}");
+    let workers: Vec<u32> = tree
+        .iter()
+        .copied()
+        .filter(|&p| cmdline(p).contains(" worker "))
+        .collect();
+    let url = server.url("/v1/completions");
+    let in_flight = tokio::spawn(async move {
+        let body =
+            json!({"prompt": "in flight", "max_tokens": 30000, "ignore_eos": true, "stream": true});
+        let _ = reqwest::Client::new().post(url).json(&body).send().await;
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.child.kill().expect("SIGKILL the frontend");
+    let _ = server.child.wait();
+    let killed = Instant::now();
+    for worker in workers {
+        common::assert_reaped_by_parent(worker, Duration::from_secs(5));
+    }
+    common::assert_gone(
+        &tree,
+        Duration::from_secs(5).saturating_sub(killed.elapsed()),
+    );
+    in_flight.abort();
+}
+
+/// A completion of `max_tokens` tokens, started in the background: (status, body).
+fn completion_in_background(
+    server: &Server,
+    max_tokens: u32,
+) -> tokio::task::JoinHandle<(u16, Value)> {
+    let url = server.url("/v1/completions");
+    tokio::spawn(async move {
+        let body = json!({"prompt": "in flight", "max_tokens": max_tokens, "ignore_eos": true});
+        let resp = reqwest::Client::new()
+            .post(url)
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    })
+}
+
+async fn wait_running(server: &Server, n: f64) {
+    let start = Instant::now();
+    while metric(server, "vllm:num_requests_running").await < n {
+        assert!(start.elapsed() < Duration::from_secs(30), "never running");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// SIGTERM drains: /health turns 503 and new requests are refused at once, while the one in
+/// flight runs to its end; then the server exits 0 and leaves no process, zombie or not.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_requests_in_flight_finish_then_exits_0() {
+    let mut server = Server::start(&["--shutdown-timeout", "60"]);
+    let tree = descendants(server.pid());
+    let in_flight = completion_in_background(&server, 1500);
+    wait_running(&server, 1.0).await;
+    // SAFETY: kill(2) on this test's own server.
+    unsafe { libc::kill(server.pid() as libc::pid_t, libc::SIGTERM) };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(common::http_status(&server.url("/health")), Ok(503));
+    let (status, body) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": "too late", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("shutting down"),
+        "{body}"
+    );
+    let (status, body) = in_flight.await.expect("join");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["usage"]["completion_tokens"], 1500,
+        "it ran to its end"
+    );
+    let exit = server
+        .wait_exit(Duration::from_secs(15))
+        .expect("the server did not exit after draining");
+    assert!(exit.success(), "exit {exit}:\n{}", server.log());
+    common::assert_gone(&tree, Duration::from_secs(5));
+}
+
+/// Requests still running after --shutdown-timeout end with a 503 naming the shutdown, a
+/// stream with an error event; the exit code is still 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_ends_what_outlives_the_shutdown_timeout() {
+    let mut server = Server::start(&["--shutdown-timeout", "1"]);
+    let tree = descendants(server.pid());
+    let whole = completion_in_background(&server, 30000);
+    let resp = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .json(
+            &json!({"prompt": "streamed", "max_tokens": 30000, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    wait_running(&server, 2.0).await;
+    let signalled = Instant::now();
+    // SAFETY: kill(2) on this test's own server.
+    unsafe { libc::kill(server.pid() as libc::pid_t, libc::SIGTERM) };
+    let text = tokio::time::timeout(Duration::from_secs(10), resp.text())
+        .await
+        .expect("the stream outlived the shutdown")
+        .expect("body");
+    let events = common::sse_events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let error = &events[events.len() - 2];
+    assert!(error.contains("shutting down"), "{error}");
+    let (status, body) = whole.await.expect("join");
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        signalled.elapsed() >= Duration::from_secs(1),
+        "ended before the timeout"
+    );
+    let exit = server.wait_exit(Duration::from_secs(15)).expect("no exit");
+    assert!(exit.success(), "exit {exit}:\n{}", server.log());
+    common::assert_gone(&tree, Duration::from_secs(5));
 }

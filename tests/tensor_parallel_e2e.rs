@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{cmdline, descendants, http_status, is_alive, post_json, Server};
+use common::{cmdline, descendants, http_status, post_json, Server};
 use serde_json::json;
 
 const PROMPTS: [&str; 4] = [
@@ -251,9 +251,7 @@ async fn expect_clean_failure(
         "the log names `{names}`:\n{}",
         server.log()
     );
-    std::thread::sleep(Duration::from_millis(1500));
-    let left: Vec<u32> = tree.into_iter().filter(|&p| is_alive(p)).collect();
-    assert!(left.is_empty(), "processes left behind: {left:?}");
+    common::assert_gone(&tree, Duration::from_secs(5));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -265,6 +263,8 @@ async fn the_death_of_rank_1_mid_stream_fails_clients_and_ends_the_server() {
     tokio::time::sleep(Duration::from_millis(700)).await;
     // SAFETY: kill(2) on a process of this test's own server.
     unsafe { libc::kill(rank1 as libc::pid_t, libc::SIGKILL) };
+    // The engine-core waits on its dead rank: no zombie, never left to init.
+    common::assert_reaped_by_parent(rank1, Duration::from_secs(5));
     expect_clean_failure(
         server,
         tree,

@@ -40,6 +40,7 @@ fn add_requests(s: &mut Scheduler, n: u32, prompt_len: u32) {
             eos_token_ids: vec![2],
             arrival_time: f64::from(i),
             priority: 0,
+            parent_request_id: None,
         };
         if let Err(e) = s.add_request(req) {
             panic!("benchmark request refused: {e}");

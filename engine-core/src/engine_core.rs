@@ -24,7 +24,9 @@ use crate::transport::{ipc_endpoint, recv, send};
 
 /// Entry point of `vllm-rs engine-core`. Returns the process's exit code.
 pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
-    crate::process::exit_when_parent_dies("engine-core");
+    // The grace lets a lost frontend's closed socket stop the loop, which shuts the workers
+    // down in order; past it they are killed and reaped, and this process exits.
+    crate::process::exit_when_parent_dies_after("engine-core", Duration::from_millis(500));
     let mut input = DealerSocket::new();
     input
         .connect(&ipc_endpoint(&cfg.run_dir, "input.sock"))
@@ -54,11 +56,15 @@ pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
         }
     };
     let sc = scheduler_config(&cfg, &ready);
-    send(
+    if let Err(e) = send(
         &mut output,
         &EngineCoreEvent::Ready(engine_ready(&sc, &ready)),
     )
-    .await?;
+    .await
+    {
+        executor.kill().await;
+        return Err(e);
+    }
     let scheduler = Scheduler::new(sc);
 
     let (tx, inputs) = mpsc::channel(4096);
@@ -78,8 +84,11 @@ pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
         Err(e) => {
             let why = format!("{e:#}");
             tracing::error!("engine-core stopping: {why}");
-            core.fail_everything(&why).await;
-            executor.kill().await;
+            // Reap the workers first: the frontend may be gone, and a send to it must not
+            // delay them (or, blocked, leave them to init when this process is ended).
+            core.executor.kill().await;
+            let notify = core.fail_everything(&why);
+            let _ = tokio::time::timeout(Duration::from_secs(2), notify).await;
             Ok(1)
         }
     }

@@ -77,8 +77,14 @@ impl Executor {
             step_deadline: Duration::from_secs_f64(cfg.execute_model_timeout_s)
                 + Duration::from_secs(2),
         };
-        let ready = executor.handshake(cfg).await?;
-        Ok((executor, ready))
+        match executor.handshake(cfg).await {
+            Ok(ready) => Ok((executor, ready)),
+            Err(e) => {
+                // Reap every rank before the error goes up: none is left a zombie or running.
+                executor.kill().await;
+                Err(e)
+            }
+        }
     }
 
     /// Register every rank, hand them rank 0's `DistributedInit`, collect the profiles,

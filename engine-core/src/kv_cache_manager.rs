@@ -255,6 +255,7 @@ mod tests {
                 eos_token_ids: vec![],
                 arrival_time: 0.0,
                 priority: 0,
+                parent_request_id: None,
             },
             0,
         );

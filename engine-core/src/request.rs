@@ -27,6 +27,9 @@ pub struct Request {
     pub eos_token_ids: Vec<u32>,
     pub arrival_time: f64,
     pub priority: i32,
+    /// The group this request shares sequence slots with: its API request's id (its
+    /// `parent_request_id`), else its own id.
+    pub share_group: String,
     /// Admission order, breaking arrival-time ties and choosing preemption victims.
     pub arrival_seq: u64,
     pub status: RequestStatus,
@@ -47,6 +50,9 @@ pub struct Request {
 impl Request {
     pub fn from_engine_core_request(req: EngineCoreRequest, arrival_seq: u64) -> Self {
         Self {
+            share_group: req
+                .parent_request_id
+                .unwrap_or_else(|| req.request_id.clone()),
             request_id: req.request_id,
             num_prompt_tokens: req.prompt_token_ids.len() as u32,
             all_token_ids: req.prompt_token_ids,

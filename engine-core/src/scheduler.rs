@@ -3,11 +3,13 @@
 //! vLLM V1's design: no prefill or decode phase, each request advances
 //! `num_computed_tokens` toward `num_tokens` within a per-step token budget and sequence
 //! cap. Running requests go first (preempting the most recently admitted one, or the
-//! lowest-priority one, when the KV pool is short), then waiting requests in policy order.
+//! lowest-priority one, when the KV pool is short), then waiting requests in policy order,
+//! the sequence slots shared fairly among API requests (`fair_share`).
 //! It also applies sampled tokens, runs the stop checks, and tracks what the workers know
 //! so each `SchedulerOutput` carries only deltas.
 
 mod config;
+mod fair_share;
 mod request_queue;
 
 use std::collections::HashMap;
@@ -18,6 +20,7 @@ use vllm_protocol::{
 };
 
 pub use config::{SchedulerConfig, SchedulingPolicy};
+use fair_share::Shares;
 use request_queue::RequestQueue;
 
 use crate::block_pool::BlockId;
@@ -171,6 +174,7 @@ impl Scheduler {
             token_budget: self.config.max_num_batched_tokens,
             ..StepPlan::default()
         };
+        self.make_room_for_waiting_groups();
         self.schedule_running(&mut plan);
         // A step that had to preempt has no blocks to spare for newcomers (vLLM's rule);
         // admitting them would only preempt again.
@@ -274,46 +278,118 @@ impl Scheduler {
         self.num_preemptions += 1;
     }
 
+    /// The share of each group among the running and waiting requests.
+    fn shares(&self) -> Shares {
+        let group = |id: &str| self.requests.get(id).map_or("", |r| r.share_group.as_str());
+        Shares::new(
+            self.running.iter().map(|id| group(id)),
+            self.waiting.iter().map(group),
+            self.config.max_num_seqs,
+        )
+    }
+
+    /// When every slot is taken while groups under their share wait, preempts the latest
+    /// admitted requests of the largest group above its share: one slot for each waiting
+    /// request that its group's share lets in.
+    fn make_room_for_waiting_groups(&mut self) {
+        if self.running.len() < self.config.max_num_seqs as usize || self.waiting.len() == 0 {
+            return;
+        }
+        let mut shares = self.shares();
+        let mut wanted: HashMap<&str, u32> = HashMap::new();
+        for id in self.waiting.iter() {
+            let Some(req) = self.requests.get(id) else {
+                continue;
+            };
+            let group = req.share_group.as_str();
+            let room = shares.room(group);
+            let w = wanted.entry(group).or_default();
+            *w = (*w + 1).min(room);
+        }
+        let mut needed: u32 = wanted.values().sum();
+        while needed > 0 {
+            let Some(group) = shares.largest_over_share() else {
+                break;
+            };
+            let Some(pos) = self.running.iter().rposition(|id| {
+                self.requests
+                    .get(id)
+                    .is_some_and(|r| r.share_group == group)
+            }) else {
+                break;
+            };
+            let victim = self.running.remove(pos);
+            shares.released(&group);
+            self.preempt(&victim);
+            needed -= 1;
+        }
+    }
+
+    /// Admits waiting requests while slots, budget and blocks last: first those whose group
+    /// is under its share, then (so no slot idles) any, each pass in policy order. A request
+    /// that does not fit stops admission, as FCFS requires.
     fn schedule_waiting(&mut self, plan: &mut StepPlan) {
         let max_num_seqs = self.config.max_num_seqs as usize;
-        let max_batched = self.config.max_num_batched_tokens;
-        while plan.token_budget > 0 && self.running.len() < max_num_seqs {
-            let Some(id) = self.waiting.peek() else {
-                break;
-            };
-            let req = &self.requests[id];
-            let hit = self.kv_cache_manager.get_computed_blocks(req);
-            let num_computed = hit.num_computed_tokens;
-            let num_new = self.num_new_tokens(req, num_computed);
-            // Without chunked prefill a sequence must fit whole, unless it could never fit
-            // in any step (a long preempted sequence resuming), which is chunked anyway.
-            if !self.config.enable_chunked_prefill
-                && num_new > plan.token_budget
-                && num_new <= max_batched
-            {
-                break;
+        let mut shares = self.shares();
+        for within_share in [true, false] {
+            while plan.token_budget > 0 && self.running.len() < max_num_seqs {
+                let next = self.waiting.iter().find(|id| {
+                    !within_share
+                        || self
+                            .requests
+                            .get(*id)
+                            .is_some_and(|r| shares.under_share(&r.share_group))
+                });
+                let Some(id) = next.map(str::to_string) else {
+                    break;
+                };
+                if !self.admit(&id, plan) {
+                    return;
+                }
+                if let Some(req) = self.requests.get(&id) {
+                    shares.admitted(&req.share_group);
+                }
             }
-            let num_new = num_new.min(plan.token_budget);
-            if !self
-                .kv_cache_manager
-                .allocate_slots(id, num_computed, num_new, &hit.block_ids)
-            {
-                break;
-            }
-            self.kv_cache_manager
-                .record_prefix_cache_query(req.num_tokens(), num_computed);
-            let Some(id) = self.waiting.pop() else {
-                break;
-            };
-            if let Some(req) = self.requests.get_mut(&id) {
-                req.status = RequestStatus::Running;
-                req.num_computed_tokens = num_computed;
-                req.num_cached_tokens.get_or_insert(num_computed);
-            }
-            self.running.push(id.clone());
-            plan.token_budget -= num_new;
-            plan.admitted.push((id, num_new));
         }
+    }
+
+    /// Moves one waiting request to running with this step's tokens; false when it does
+    /// not fit the budget or the KV pool.
+    fn admit(&mut self, id: &str, plan: &mut StepPlan) -> bool {
+        let max_batched = self.config.max_num_batched_tokens;
+        let Some(req) = self.requests.get(id) else {
+            return false;
+        };
+        let hit = self.kv_cache_manager.get_computed_blocks(req);
+        let num_computed = hit.num_computed_tokens;
+        let num_new = self.num_new_tokens(req, num_computed);
+        // Without chunked prefill a sequence must fit whole, unless it could never fit
+        // in any step (a long preempted sequence resuming), which is chunked anyway.
+        if !self.config.enable_chunked_prefill
+            && num_new > plan.token_budget
+            && num_new <= max_batched
+        {
+            return false;
+        }
+        let num_new = num_new.min(plan.token_budget);
+        if !self
+            .kv_cache_manager
+            .allocate_slots(id, num_computed, num_new, &hit.block_ids)
+        {
+            return false;
+        }
+        self.kv_cache_manager
+            .record_prefix_cache_query(req.num_tokens(), num_computed);
+        self.waiting.remove(req);
+        if let Some(req) = self.requests.get_mut(id) {
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = num_computed;
+            req.num_cached_tokens.get_or_insert(num_computed);
+        }
+        self.running.push(id.to_string());
+        plan.token_budget -= num_new;
+        plan.admitted.push((id.to_string(), num_new));
+        true
     }
 
     /// Turns the plan into the wire delta and advances `num_computed_tokens` (after the

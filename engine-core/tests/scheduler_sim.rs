@@ -214,6 +214,51 @@ fn the_latest_admitted_request_is_preempted_first() {
     h.assert_pool_free();
 }
 
+/// The `n` samples of one API request fill every slot while nothing else waits, but a
+/// request that arrives later gets a slot at once (one sample gives it up), and the group
+/// takes its slots back when the newcomer is done.
+#[test]
+fn one_api_request_fills_the_slots_but_never_starves_another() {
+    let mut cfg = config(1024, 4);
+    cfg.max_num_seqs = 8;
+    let mut h = Harness::new(cfg);
+    for j in 0..8 {
+        let mut child = request(&format!("big-{j}"), prompt(1, 4), params(200));
+        child.parent_request_id = Some("big".into());
+        h.add(child);
+    }
+    for _ in 0..3 {
+        h.step();
+    }
+    assert_eq!(
+        h.sched.running_ids().len(),
+        8,
+        "a lone group takes every slot"
+    );
+    h.add(request("small", prompt(2, 4), params(3)));
+    let mut steps = 0;
+    while h.finish_of("small").is_none() {
+        let so = h.step();
+        steps += 1;
+        if steps == 1 {
+            assert_eq!(so.preempted_req_ids, ["big-7"], "the latest sample yields");
+            assert!(so.scheduled_new_reqs.iter().any(|r| r.req_id == "small"));
+        }
+        assert!(steps <= 3, "the newcomer waited {steps} steps");
+    }
+    h.step();
+    assert_eq!(
+        h.sched.running_ids().len(),
+        8,
+        "the group takes its slot back"
+    );
+    h.run_to_completion(2000);
+    for j in 0..8 {
+        assert_eq!(h.tokens_of(&format!("big-{j}")).len(), 200);
+    }
+    h.assert_pool_free();
+}
+
 #[test]
 fn priority_policy_admits_by_priority_and_preempts_the_lowest() {
     let mut cfg = config(64, 4);

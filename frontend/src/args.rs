@@ -216,6 +216,11 @@ impl EngineArgs {
         Ok(())
     }
 
+    /// `--max-num-seqs`, or the device's default.
+    pub fn max_num_seqs(&self) -> anyhow::Result<u32> {
+        Ok(self.step_limits()?.0)
+    }
+
     fn step_limits(&self) -> anyhow::Result<(u32, u32)> {
         let (seqs, tokens) = match self.resolved_device()? {
             "cpu" => (64, 2048),

@@ -24,6 +24,9 @@ pub struct AsyncLLM {
     /// config.json and generation_config.json.
     pub eos_token_ids: Vec<u32>,
     pub metrics: Arc<Metrics>,
+    /// `--max-num-seqs`: the most sequences one step runs, and so the most one API request
+    /// may ask for (prompts × n).
+    pub max_num_seqs: u32,
 }
 
 impl AsyncLLM {
@@ -39,6 +42,7 @@ impl AsyncLLM {
             tokenizer,
             eos_token_ids,
             metrics,
+            max_num_seqs: args.max_num_seqs()?,
         })
     }
 
@@ -47,6 +51,8 @@ impl AsyncLLM {
     }
 
     /// Submits one tokenized prompt. The stream aborts the request if dropped early.
+    /// `parent_request_id` names the API request it is a part of (one of its prompts or
+    /// samples), so the scheduler shares slots fairly among API requests.
     pub fn generate(
         &self,
         request_id: String,
@@ -54,6 +60,7 @@ impl AsyncLLM {
         sampling_params: SamplingParams,
         text: TextOptions,
         priority: i32,
+        parent_request_id: Option<String>,
     ) -> anyhow::Result<OutputStream> {
         let request = EngineCoreRequest {
             request_id,
@@ -62,6 +69,7 @@ impl AsyncLLM {
             eos_token_ids: self.eos_token_ids.clone(),
             arrival_time: vllm_engine_core::engine_core::now(),
             priority,
+            parent_request_id,
         };
         let stream = self.client.add_request(request)?;
         OutputStream::new(

@@ -77,6 +77,21 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY).
     #[arg(long, env = "VLLM_API_KEY")]
     pub api_key: Option<String>,
+    /// Seconds the requests in flight may run on after SIGTERM or Ctrl-C (a second signal
+    /// ends them at once); meanwhile /health answers 503 and new requests are refused.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
+    pub shutdown_timeout: f64,
+    /// Most requests in flight (waiting or running; a request's prompts × n count one
+    /// each): one that would go over is refused with 503 and Retry-After. Default: no limit.
+    #[arg(long, value_name = "N")]
+    pub max_num_queued_reqs: Option<usize>,
+    /// Log each request's id and sampling parameters (info), and its prompt (debug, with
+    /// RUST_LOG=debug). Without it no prompt is ever logged.
+    #[arg(long, overrides_with = "disable_log_requests")]
+    pub enable_log_requests: bool,
+    /// The default; accepted for compatibility with older vLLM command lines.
+    #[arg(long, hide = true)]
+    pub disable_log_requests: bool,
     /// A Jinja chat template for /v1/chat/completions, replacing the tokenizer's.
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,

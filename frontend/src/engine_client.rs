@@ -109,13 +109,25 @@ impl EngineCoreClient {
             serde_json::to_string(&config)?,
         ];
         let mut engine = ChildProcess::spawn("engine-core".into(), &config.exe, &args)?;
-        let engine_id = tokio::select! {
-            id = register(&mut router) => id?,
-            status = wait_exit(&mut engine) => bail!("engine-core exited during startup ({status})"),
-        };
-        let ready = tokio::select! {
-            ready = wait_ready(&mut pull) => ready?,
-            status = wait_exit(&mut engine) => bail!("engine-core exited during startup ({status})"),
+        let started = async {
+            let engine_id = tokio::select! {
+                id = register(&mut router) => id?,
+                status = wait_exit(&mut engine) => bail!("engine-core exited during startup ({status})"),
+            };
+            let ready = tokio::select! {
+                ready = wait_ready(&mut pull) => ready?,
+                status = wait_exit(&mut engine) => bail!("engine-core exited during startup ({status})"),
+            };
+            Ok::<_, anyhow::Error>((engine_id, ready))
+        }
+        .await;
+        let (engine_id, ready) = match started {
+            Ok(started) => started,
+            Err(e) => {
+                // The engine-core exits after reporting a failed startup: reap it (or end it).
+                engine.wait_or_kill(Duration::from_secs(10)).await;
+                return Err(e);
+            }
         };
         tracing::info!(
             "engine ready: {} on {}, {} KV blocks of {} tokens, max model len {}",
@@ -175,6 +187,21 @@ impl EngineCoreClient {
             to_engine: self.to_engine.clone(),
             routes: self.routes.clone(),
         })
+    }
+
+    /// Ends every request in flight with the error `why` and aborts them in the engine,
+    /// which frees their blocks (a shutdown past its timeout).
+    pub fn fail_in_flight(&self, why: &str) {
+        let ids: Vec<String> = lock(&self.routes)
+            .drain()
+            .map(|(id, tx)| {
+                let _ = tx.send(EngineCoreOutput::failed(id.clone(), why.to_string()));
+                id
+            })
+            .collect();
+        if !ids.is_empty() {
+            let _ = self.to_engine.send(EngineCoreInput::Abort(ids));
+        }
     }
 
     /// Calls a utility method of the engine-core and waits for its answer.

@@ -38,7 +38,7 @@ async fn run_one(llm: &AsyncLLM, args: &GenerateArgs) -> anyhow::Result<()> {
         skip_special_tokens: true,
         ..Default::default()
     };
-    let mut stream = llm.generate("generate-0".into(), prompt, params, text, 0)?;
+    let mut stream = llm.generate("generate-0".into(), prompt, params, text, 0, None)?;
     let mut stdout = std::io::stdout();
     while let Some(out) = stream.next().await {
         if let Some(err) = out.error {

@@ -20,6 +20,11 @@ pub struct EngineCoreRequest {
     pub arrival_time: f64,
     /// Lower runs first under `--scheduling-policy priority`.
     pub priority: i32,
+    /// The API request this one is a part of (one of its prompts or `n` samples). The
+    /// scheduler shares sequence slots fairly among these groups; `None`: the request is
+    /// a group of its own.
+    #[serde(default)]
+    pub parent_request_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -57,6 +62,9 @@ pub struct Register {
     pub rank: u32,
 }
 
+// A message is built once and moved to the socket: the size of its largest variant costs
+// nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum EngineCoreInput {
     Add(EngineCoreRequest),

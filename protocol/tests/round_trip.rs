@@ -23,6 +23,7 @@ fn request() -> EngineCoreRequest {
         eos_token_ids: vec![151_645, 151_643],
         arrival_time: 1.5e9,
         priority: -2,
+        parent_request_id: Some("cmpl-1".into()),
     }
 }
 

@@ -322,6 +322,58 @@ pub fn is_alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// Whether `pid` still exists in any state, a zombie (exited, never reaped) included.
+pub fn exists(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Asserts that every process of `tree` is gone within `limit`, reaped by its parent: no
+/// process left, zombies included (a zombie whose parent has exited is init's to reap, and
+/// counts as gone only once that parent is).
+pub fn assert_gone(tree: &[u32], limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let left: Vec<(u32, String)> = tree
+            .iter()
+            .filter(|&&p| exists(p))
+            .map(|&p| {
+                (
+                    p,
+                    std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default(),
+                )
+            })
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "processes left after {limit:?}: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Asserts that `pid` disappears within `limit` reaped by its own parent: it is never
+/// re-parented to init, which happens when a parent exits without waiting on its child.
+pub fn assert_reaped_by_parent(pid: u32, limit: Duration) {
+    let parent = parent_of(pid);
+    let start = Instant::now();
+    while exists(pid) {
+        let now = parent_of(pid);
+        assert!(
+            now.is_none() || now == parent,
+            "pid {pid} was left to pid {now:?}: its parent {parent:?} exited without reaping it"
+        );
+        assert!(
+            start.elapsed() < limit,
+            "pid {pid} still exists after {limit:?}: {}",
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// POSTs JSON and returns (status, body).
 pub async fn post_json(
     server: &Server,

@@ -93,22 +93,7 @@ impl RequestQueue {
         }
     }
 
-    /// The id of the request to admit next.
-    pub fn peek(&self) -> Option<&str> {
-        match self {
-            Self::Fcfs(q) => q.front().map(String::as_str),
-            Self::Priority(q) => q.first().map(|k| k.request_id.as_str()),
-        }
-    }
-
-    pub fn pop(&mut self) -> Option<String> {
-        match self {
-            Self::Fcfs(q) => q.pop_front(),
-            Self::Priority(q) => q.pop_first().map(|k| k.request_id),
-        }
-    }
-
-    /// Removes a request wherever it is (an abort).
+    /// Removes a request wherever it is (admitted or aborted).
     pub fn remove(&mut self, req: &Request) {
         match self {
             Self::Fcfs(q) => {
@@ -119,6 +104,14 @@ impl RequestQueue {
             Self::Priority(q) => {
                 q.remove(&PriorityKey::of(req));
             }
+        }
+    }
+
+    /// Ids in admission order, without copying them.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        match self {
+            Self::Fcfs(q) => Box::new(q.iter().map(String::as_str)),
+            Self::Priority(q) => Box::new(q.iter().map(|k| k.request_id.as_str())),
         }
     }
 

@@ -48,6 +48,7 @@ pub fn request(id: &str, prompt: Vec<u32>, sampling_params: SamplingParams) -> E
         eos_token_ids: vec![EOS],
         arrival_time: 0.0,
         priority: 0,
+        parent_request_id: None,
     }
 }
 

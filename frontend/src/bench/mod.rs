@@ -89,7 +89,7 @@ fn submit(
             skip_special_tokens: true,
             ..Default::default()
         };
-        let stream = llm.generate(request_id, prompt_token_ids, params, text, 0)?;
+        let stream = llm.generate(request_id, prompt_token_ids, params, text, 0, None)?;
         return Ok(BenchStream::Text(Box::new(stream)));
     }
     let request = EngineCoreRequest {
@@ -99,6 +99,7 @@ fn submit(
         eos_token_ids: llm.eos_token_ids.clone(),
         arrival_time: vllm_engine_core::engine_core::now(),
         priority: 0,
+        parent_request_id: None,
     };
     Ok(BenchStream::Raw(llm.client.add_request(request)?))
 }

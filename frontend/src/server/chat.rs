@@ -5,17 +5,17 @@
 
 use std::sync::{Arc, Mutex};
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::Response;
 use futures::stream::{self, BoxStream, StreamExt};
-use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use vllm_protocol::TokenLogprobs;
 
+use super::body::JsonObject;
 use super::choices::{self, created, engine_error, random_id, usage, Choice, FinishedChoice};
-use super::request_fields::{parse_body, SamplingFields};
+use super::fields::Fields;
+use super::request_fields::{read_max_tokens, SamplingFields, MAX_TOP_LOGPROBS, SAMPLING_FIELDS};
 use super::{ApiError, AppState};
 use crate::chat_template::{normalize_messages, RenderOptions};
 use crate::tokenizer::Tokenizer;
@@ -35,36 +35,6 @@ const FIELDS: &[&str] = &[
     "user",
 ];
 
-/// The most `top_logprobs` a request may ask for (OpenAI's and vLLM's limit).
-const MAX_TOP_LOGPROBS: u32 = 20;
-
-#[derive(Debug, Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
-}
-
-#[derive(Debug, Deserialize)]
-struct ChatRequest {
-    model: Option<String>,
-    messages: Value,
-    max_tokens: Option<u32>,
-    max_completion_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
-    stream_options: Option<StreamOptions>,
-    logprobs: Option<bool>,
-    top_logprobs: Option<u32>,
-    add_generation_prompt: Option<bool>,
-    #[serde(default)]
-    continue_final_message: bool,
-    chat_template_kwargs: Option<Map<String, Value>>,
-    #[allow(dead_code)]
-    user: Option<String>,
-    #[serde(flatten)]
-    sampling: SamplingFields,
-}
-
 /// What a response needs besides the choices.
 struct Reply {
     id: String,
@@ -76,46 +46,58 @@ struct Reply {
     tokenizer: Tokenizer,
 }
 
-pub async fn create_chat_completion(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+pub async fn create_chat_completion(
+    State(state): State<Arc<AppState>>,
+    JsonObject(body): JsonObject,
+) -> Response {
     choices::respond(start(&state, &body), stream_response, Reply::body).await
 }
 
-fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), ApiError> {
-    let req: ChatRequest = parse_body(body, FIELDS)?;
-    let model = state.model_name(req.model.as_deref())?;
+fn start(
+    state: &AppState,
+    body: &Map<String, Value>,
+) -> Result<(Reply, Vec<Choice>, bool), ApiError> {
+    let f = Fields::new(body, &[FIELDS, SAMPLING_FIELDS])?;
+    let model = state.model_name(f.string("model")?)?;
     state.check_alive()?;
-    let logprobs = req.logprobs.unwrap_or(false);
-    if let Some(k) = req.top_logprobs {
-        if !logprobs {
-            return Err(ApiError::invalid_param(
-                "top_logprobs",
-                "when using `top_logprobs`, `logprobs` must be set to true.",
-            ));
-        }
-        if k > MAX_TOP_LOGPROBS {
-            return Err(ApiError::invalid_param(
-                "top_logprobs",
-                format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {k}."),
-            ));
-        }
-    }
-    if req.stream_options.is_some() && !req.stream {
+    let vocab_size = state.llm.client.ready.model.vocab_size;
+    let sampling = SamplingFields::read(&f, vocab_size, state.llm.max_num_seqs)?;
+    let max_model_len = state.llm.max_model_len();
+    let max_tokens = match read_max_tokens(&f, "max_completion_tokens", max_model_len)? {
+        Some(m) => Some(m),
+        None => read_max_tokens(&f, "max_tokens", max_model_len)?,
+    };
+    let logprobs = f.bool("logprobs")?.unwrap_or(false);
+    let top_logprobs = f.u32("top_logprobs", 0, MAX_TOP_LOGPROBS, "")?;
+    if top_logprobs.is_some() && !logprobs {
         return Err(ApiError::invalid_param(
-            "stream_options",
-            "Stream options can only be defined when `stream=True`.",
+            "top_logprobs",
+            "when using `top_logprobs`, `logprobs` must be set to true.",
         ));
     }
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = f.include_usage(stream)?;
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    let continue_final_message = f.bool("continue_final_message")?.unwrap_or(false);
+    let kwargs = f.object("chat_template_kwargs")?;
+    f.string("user")?;
     let Some(template) = &state.chat_template else {
         return Err(ApiError::bad_request(
             "The model has no chat template: start the server with --chat-template FILE.",
         ));
     };
-    let messages = normalize_messages(&req.messages)
-        .map_err(|e| ApiError::invalid_param(e.param, e.message))?;
+    let Some(messages) = f.get("messages") else {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages is required: a list of message objects.",
+        ));
+    };
+    let messages =
+        normalize_messages(messages).map_err(|e| ApiError::invalid_param(e.param, e.message))?;
     let options = RenderOptions {
-        add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
-        continue_final_message: req.continue_final_message,
-        kwargs: req.chat_template_kwargs.as_ref(),
+        add_generation_prompt,
+        continue_final_message,
+        kwargs,
     };
     let text = template
         .render(&messages, &options)
@@ -132,8 +114,7 @@ fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), Ap
             "The chat template rendered an empty prompt.",
         ));
     }
-    let top_logprobs = logprobs.then(|| req.top_logprobs.unwrap_or(0));
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+    let top_logprobs = logprobs.then(|| top_logprobs.unwrap_or(0));
     let id = format!("chatcmpl-{}", random_id());
     let choices = choices::start_choices(
         state,
@@ -141,17 +122,17 @@ fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), Ap
         vec![prompt],
         max_tokens,
         top_logprobs,
-        &req.sampling,
+        &sampling,
     )?;
     let reply = Reply {
         id,
         model,
-        n: req.sampling.n.unwrap_or(1) as usize,
+        n: sampling.n.unwrap_or(1) as usize,
         top_logprobs,
-        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        include_usage,
         tokenizer: state.llm.tokenizer.clone(),
     };
-    Ok((reply, choices, req.stream))
+    Ok((reply, choices, stream))
 }
 
 impl Reply {

@@ -9,6 +9,7 @@ use futures::stream::{self, BoxStream, StreamExt};
 use serde_json::{json, Value};
 use vllm_protocol::{FinishReason, TokenLogprobs};
 
+use super::admission::Ticket;
 use super::request_fields::{resolve_max_tokens, SamplingFields};
 use super::{ApiError, AppState};
 use crate::output_processor::{OutputStream, RequestOutput, StopReason};
@@ -18,6 +19,8 @@ pub struct Choice {
     pub index: usize,
     pub prompt_token_ids: Vec<u32>,
     pub stream: OutputStream,
+    /// Its place among the requests in flight, freed when the choice ends or is dropped.
+    pub ticket: Ticket,
 }
 
 /// A choice run to its end.
@@ -38,8 +41,9 @@ impl FinishedChoice {
     }
 }
 
-/// Validates the sampling fields against each prompt and starts `n` engine requests per
-/// prompt. Nothing is started unless every prompt is valid.
+/// Validates the sampling fields against each prompt, admits the request (or refuses it
+/// with a 503 when `--max-num-queued-reqs` would be exceeded) and starts `n` engine
+/// requests per prompt. Nothing is started unless every prompt is valid and all fit.
 pub fn start_choices(
     state: &AppState,
     request_id: &str,
@@ -54,6 +58,10 @@ pub fn start_choices(
     for prompt in &prompts {
         let max_tokens = resolve_max_tokens(prompt.len(), max_tokens, state.llm.max_model_len())?;
         planned.push(sampling.sampling_params(max_tokens, logprobs, vocab)?);
+    }
+    let mut tickets = state.admission.admit(prompts.len() * n)?.into_iter();
+    if state.log_requests {
+        log_request(state, request_id, &prompts, &planned);
     }
     let mut choices = Vec::new();
     for (i, (prompt, params)) in prompts.into_iter().zip(planned).enumerate() {
@@ -71,16 +79,50 @@ pub fn start_choices(
                     child,
                     sampling.text_options(),
                     sampling.priority.unwrap_or(0),
+                    Some(request_id.to_string()),
                 )
                 .map_err(|e| ApiError::unavailable(format!("{e:#}")))?;
+            let Some(ticket) = tickets.next() else {
+                return Err(ApiError::internal(
+                    "admission gave fewer tickets than requests",
+                ));
+            };
             choices.push(Choice {
                 index: i * n + j,
                 prompt_token_ids: prompt.clone(),
                 stream,
+                ticket,
             });
         }
     }
     Ok(choices)
+}
+
+/// `--enable-log-requests`: the request's id and parameters at info, its prompts (text)
+/// at debug. Nothing else in the server logs a prompt.
+fn log_request(
+    state: &AppState,
+    request_id: &str,
+    prompts: &[Vec<u32>],
+    params: &[vllm_protocol::SamplingParams],
+) {
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    tracing::info!(
+        request_id,
+        prompt_tokens = ?lens,
+        params = ?params.first(),
+        "received request"
+    );
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        for (i, prompt) in prompts.iter().enumerate() {
+            let text = state
+                .llm
+                .tokenizer
+                .decode(prompt, false)
+                .unwrap_or_default();
+            tracing::debug!(request_id, index = i, prompt = %text, "received prompt");
+        }
+    }
 }
 
 /// Runs a choice to its end.
@@ -154,10 +196,10 @@ pub async fn respond<R, S: IntoResponse>(
 pub fn merged(choices: Vec<Choice>) -> BoxStream<'static, (usize, RequestOutput)> {
     let streams = choices.into_iter().map(|c| {
         let index = c.index;
-        stream::unfold(
-            c.stream,
-            |mut s| async move { s.next().await.map(|o| (o, s)) },
-        )
+        // The ticket lives as long as the stream does.
+        stream::unfold((c.stream, c.ticket), |(mut s, ticket)| async move {
+            s.next().await.map(|o| (o, (s, ticket)))
+        })
         .map(move |o| (index, o))
         .boxed()
     });
@@ -167,7 +209,7 @@ pub fn merged(choices: Vec<Choice>) -> BoxStream<'static, (usize, RequestOutput)
 /// An engine-side failure: a rejection before any token is the client's fault (400), a
 /// dead engine is a 503, anything else the server's fault.
 pub fn engine_error(err: &str, before_first_token: bool) -> ApiError {
-    if err.starts_with("the engine died") {
+    if err.starts_with("the engine died") || err.starts_with(super::shutdown::SHUTTING_DOWN) {
         ApiError::unavailable(err)
     } else if before_first_token {
         ApiError::bad_request(err)

@@ -4,17 +4,19 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::Response;
 use futures::stream::{self, BoxStream, StreamExt};
-use serde::Deserialize;
 use serde_json::{json, Value};
 use vllm_protocol::TokenLogprobs;
 
+use super::body::JsonObject;
 use super::choices::{self, created, engine_error, random_id, usage, Choice, FinishedChoice};
-use super::request_fields::{parse_body, SamplingFields};
+use super::fields::{shown, token_ids, Fields};
+use super::request_fields::{
+    check_sequences, read_max_tokens, SamplingFields, MAX_TOP_LOGPROBS, SAMPLING_FIELDS,
+};
 use super::{ApiError, AppState};
 use crate::tokenizer::Tokenizer;
 
@@ -33,8 +35,6 @@ const FIELDS: &[&str] = &[
     "best_of",
 ];
 
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
 enum Prompt {
     Text(String),
     Texts(Vec<String>),
@@ -42,32 +42,62 @@ enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
-#[derive(Debug, Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: bool,
-}
+impl Prompt {
+    /// Reads `prompt`: a string, strings, token ids or lists of token ids, every id within
+    /// the vocabulary.
+    fn read(value: Option<&Value>, vocab_size: u32) -> Result<Self, ApiError> {
+        const WHAT: &str =
+            "a string, a list of strings, a list of token ids or a list of lists of token ids";
+        let bad = |m: String| ApiError::invalid_param("prompt", m);
+        let Some(value) = value else {
+            return Err(bad(format!("prompt is required: {WHAT}.")));
+        };
+        let items = match value {
+            Value::String(s) => return Ok(Prompt::Text(s.clone())),
+            Value::Array(items) if items.is_empty() => {
+                return Err(bad("The prompt must not be empty, got [].".into()))
+            }
+            Value::Array(items) => items,
+            other => return Err(bad(format!("prompt must be {WHAT}, got {}.", shown(other)))),
+        };
+        match &items[0] {
+            Value::String(_) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(bad(format!(
+                        "prompt[{i}] must be a string, as prompt[0] is, got {}.",
+                        shown(other)
+                    ))),
+                })
+                .collect::<Result<_, _>>()
+                .map(Prompt::Texts),
+            Value::Number(_) => token_ids("prompt", value, vocab_size)
+                .map(Prompt::Tokens)
+                .map_err(bad),
+            Value::Array(_) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| token_ids(&format!("prompt[{i}]"), v, vocab_size))
+                .collect::<Result<_, _>>()
+                .map(Prompt::TokenLists)
+                .map_err(bad),
+            other => Err(bad(format!(
+                "prompt must be {WHAT}; prompt[0] is {}.",
+                shown(other)
+            ))),
+        }
+    }
 
-#[derive(Debug, Deserialize)]
-struct CompletionRequest {
-    model: Option<String>,
-    prompt: Prompt,
-    max_tokens: Option<u32>,
-    #[serde(default)]
-    stream: bool,
-    stream_options: Option<StreamOptions>,
-    logprobs: Option<u32>,
-    #[serde(default)]
-    echo: bool,
-    #[serde(default)]
-    return_token_ids: bool,
-    /// vLLM's option to name logprob tokens "token_id:N", which never collide.
-    #[serde(default)]
-    return_tokens_as_token_ids: bool,
-    suffix: Option<String>,
-    best_of: Option<u32>,
-    #[serde(flatten)]
-    sampling: SamplingFields,
+    /// How many prompts (each of which runs `n` times).
+    fn len(&self) -> usize {
+        match self {
+            Prompt::Text(_) | Prompt::Tokens(_) => 1,
+            Prompt::Texts(v) => v.len(),
+            Prompt::TokenLists(v) => v.len(),
+        }
+    }
 }
 
 /// What a response needs besides the choices.
@@ -82,59 +112,73 @@ struct Reply {
     tokenizer: Tokenizer,
 }
 
-pub async fn create_completion(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+pub async fn create_completion(
+    State(state): State<Arc<AppState>>,
+    JsonObject(body): JsonObject,
+) -> Response {
     choices::respond(start(&state, &body), stream_response, Reply::body).await
 }
 
-fn start(state: &AppState, body: &[u8]) -> Result<(Reply, Vec<Choice>, bool), ApiError> {
-    let req: CompletionRequest = parse_body(body, FIELDS)?;
-    let model = state.model_name(req.model.as_deref())?;
+fn start(
+    state: &AppState,
+    body: &serde_json::Map<String, Value>,
+) -> Result<(Reply, Vec<Choice>, bool), ApiError> {
+    let f = Fields::new(body, &[FIELDS, SAMPLING_FIELDS])?;
+    let model = state.model_name(f.string("model")?)?;
     state.check_alive()?;
-    if req.suffix.is_some() {
+    let max_num_seqs = state.llm.max_num_seqs;
+    let vocab_size = state.llm.client.ready.model.vocab_size;
+    let sampling = SamplingFields::read(&f, vocab_size, max_num_seqs)?;
+    let n = sampling.n.unwrap_or(1);
+    if f.string("suffix")?.is_some() {
         return Err(ApiError::invalid_param(
             "suffix",
             "suffix is not supported.",
         ));
     }
-    if req
-        .best_of
-        .is_some_and(|b| b != req.sampling.n.unwrap_or(1))
-    {
-        return Err(ApiError::invalid_param(
-            "best_of",
-            "best_of is not supported (only best_of == n).",
-        ));
+    if let Some(b) = f.u32("best_of", 1, max_num_seqs, "--max-num-seqs")? {
+        if b != n {
+            return Err(ApiError::invalid_param(
+                "best_of",
+                format!(
+                    "best_of is not supported (only best_of == n), got best_of={b} with n={n}."
+                ),
+            ));
+        }
     }
-    if req.echo && req.logprobs.is_some() {
+    let max_tokens = read_max_tokens(&f, "max_tokens", state.llm.max_model_len())?;
+    let logprobs = f.u32("logprobs", 0, MAX_TOP_LOGPROBS, "")?;
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if echo && logprobs.is_some() {
         return Err(ApiError::invalid_param(
             "echo",
             "echo with logprobs needs prompt logprobs, which are not supported yet.",
         ));
     }
-    let prompts = tokenize_prompts(state, &req.prompt)?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = f.include_usage(stream)?;
+    let return_token_ids = f.bool("return_token_ids")?.unwrap_or(false);
+    let tokens_as_ids = f.bool("return_tokens_as_token_ids")?.unwrap_or(false);
+    f.string("user")?;
+    let prompt = Prompt::read(f.get("prompt"), vocab_size)?;
+    check_sequences(n, prompt.len(), max_num_seqs)?;
+    let prompts = tokenize_prompts(state, prompt)?;
     let id = format!("cmpl-{}", random_id());
-    let choices = choices::start_choices(
-        state,
-        &id,
-        prompts,
-        req.max_tokens,
-        req.logprobs,
-        &req.sampling,
-    )?;
+    let choices = choices::start_choices(state, &id, prompts, max_tokens, logprobs, &sampling)?;
     let reply = Reply {
         id,
         model,
-        n: req.sampling.n.unwrap_or(1) as usize,
-        echo: req.echo,
-        return_token_ids: req.return_token_ids,
-        tokens_as_ids: req.return_tokens_as_token_ids,
-        include_usage: req.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        n: n as usize,
+        echo,
+        return_token_ids,
+        tokens_as_ids,
+        include_usage,
         tokenizer: state.llm.tokenizer.clone(),
     };
-    Ok((reply, choices, req.stream))
+    Ok((reply, choices, stream))
 }
 
-fn tokenize_prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, ApiError> {
+fn tokenize_prompts(state: &AppState, prompt: Prompt) -> Result<Vec<Vec<u32>>, ApiError> {
     let encode = |text: &str| {
         state
             .llm
@@ -143,22 +187,15 @@ fn tokenize_prompts(state: &AppState, prompt: &Prompt) -> Result<Vec<Vec<u32>>, 
             .map_err(|e| ApiError::invalid_param("prompt", format!("{e:#}")))
     };
     let prompts = match prompt {
-        Prompt::Text(t) => vec![encode(t)?],
+        Prompt::Text(t) => vec![encode(&t)?],
         Prompt::Texts(ts) => ts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
-        Prompt::Tokens(ids) => vec![ids.clone()],
-        Prompt::TokenLists(lists) => lists.clone(),
+        Prompt::Tokens(ids) => vec![ids],
+        Prompt::TokenLists(lists) => lists,
     };
-    let vocab = state.llm.client.ready.model.vocab_size;
-    if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
+    if let Some(i) = prompts.iter().position(Vec::is_empty) {
         return Err(ApiError::invalid_param(
             "prompt",
-            "The prompt must not be empty.",
-        ));
-    }
-    if let Some(bad) = prompts.iter().flatten().find(|&&t| t >= vocab) {
-        return Err(ApiError::invalid_param(
-            "prompt",
-            format!("Token id {bad} is out of vocabulary (size {vocab})."),
+            format!("The prompt must not be empty, got an empty prompt at index {i}."),
         ));
     }
     Ok(prompts)

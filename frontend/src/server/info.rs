@@ -3,14 +3,13 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::State;
 use axum::Json;
-use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::body::JsonObject;
 use super::choices::created;
-use super::request_fields::parse_body;
+use super::fields::Fields;
 use super::{ApiError, AppState};
 
 pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
@@ -32,57 +31,46 @@ pub async fn version() -> Json<Value> {
     Json(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
-#[derive(Deserialize)]
-struct TokenizeRequest {
-    model: Option<String>,
-    prompt: String,
-    #[serde(default = "yes")]
-    add_special_tokens: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
-    body: Bytes,
+    JsonObject(body): JsonObject,
 ) -> Result<Json<Value>, ApiError> {
-    let req: TokenizeRequest = parse_body(&body, &["model", "prompt", "add_special_tokens"])?;
-    state.model_name(req.model.as_deref())?;
+    let f = Fields::new(&body, &[&["model", "prompt", "add_special_tokens"]])?;
+    state.model_name(f.string("model")?)?;
+    let Some(prompt) = f.string("prompt")? else {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            "prompt is required: the text to tokenize.",
+        ));
+    };
+    let add_special_tokens = f.bool("add_special_tokens")?.unwrap_or(true);
     let tokens = state
         .llm
         .tokenizer
-        .encode(&req.prompt, req.add_special_tokens)
+        .encode(prompt, add_special_tokens)
         .map_err(|e| ApiError::invalid_param("prompt", format!("{e:#}")))?;
     Ok(Json(
         json!({"count": tokens.len(), "max_model_len": state.llm.max_model_len(), "tokens": tokens}),
     ))
 }
 
-#[derive(Deserialize)]
-struct DetokenizeRequest {
-    model: Option<String>,
-    tokens: Vec<u32>,
-}
-
 pub async fn detokenize(
     State(state): State<Arc<AppState>>,
-    body: Bytes,
+    JsonObject(body): JsonObject,
 ) -> Result<Json<Value>, ApiError> {
-    let req: DetokenizeRequest = parse_body(&body, &["model", "tokens"])?;
-    state.model_name(req.model.as_deref())?;
-    let vocab = state.llm.client.ready.model.vocab_size;
-    if let Some(bad) = req.tokens.iter().find(|&&t| t >= vocab) {
+    let f = Fields::new(&body, &[&["model", "tokens"]])?;
+    state.model_name(f.string("model")?)?;
+    let vocab_size = state.llm.client.ready.model.vocab_size;
+    let Some(tokens) = f.token_ids("tokens", vocab_size)? else {
         return Err(ApiError::invalid_param(
             "tokens",
-            format!("Token id {bad} is out of vocabulary (size {vocab})."),
+            "tokens is required: a list of token ids.",
         ));
-    }
+    };
     let prompt = state
         .llm
         .tokenizer
-        .decode(&req.tokens, false)
-        .map_err(|e| ApiError::bad_request(format!("{e:#}")))?;
+        .decode(&tokens, false)
+        .map_err(|e| ApiError::invalid_param("tokens", format!("{e:#}")))?;
     Ok(Json(json!({"prompt": prompt})))
 }

@@ -1,22 +1,29 @@
 //! The OpenAI-compatible HTTP server (axum). `serve` starts the engine, binds the listener
-//! and serves until Ctrl-C / SIGTERM (clean exit) or until the engine dies (exit 1 after a
-//! short grace, so in-flight responses can carry their error to the clients).
+//! and serves until Ctrl-C / SIGTERM (a graceful drain, then exit 0: see `shutdown`) or
+//! until the engine dies (exit 1 after a short grace, so in-flight responses can carry
+//! their error to the clients).
 
+mod admission;
+mod auth;
+mod body;
 mod chat;
 mod choices;
 mod completions;
 mod error;
+mod fields;
 mod health;
 mod info;
 mod request_fields;
+mod shutdown;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::extract::{Request, State};
-use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{Method, Uri};
+use axum::middleware;
 use axum::routing::{get, post};
 use axum::Router;
 
@@ -28,7 +35,14 @@ use crate::cli::ServeArgs;
 pub struct AppState {
     pub llm: AsyncLLM,
     pub served_model_names: Vec<String>,
+    /// `--api-key` (or VLLM_API_KEY), required on every path under /v1.
     pub api_key: Option<String>,
+    /// `--enable-log-requests`: log each request's parameters (and, at debug, its prompt).
+    pub log_requests: bool,
+    /// `--max-num-queued-reqs`: engine requests in flight, and their limit.
+    pub admission: admission::Admission,
+    /// Set on SIGTERM: /health answers 503 and new requests are refused.
+    pub draining: AtomicBool,
     /// `--model` as given (a path or a Hub id), reported as each model's `root`.
     pub model_path: String,
     /// `--chat-template FILE`, else the tokenizer's; None: chat requests get a 400.
@@ -41,59 +55,70 @@ impl AppState {
         match requested {
             None => Ok(self.served_model_names[0].clone()),
             Some(name) if self.served_model_names.iter().any(|n| n == name) => Ok(name.to_string()),
-            Some(name) => Err(ApiError::not_found(format!(
-                "The model `{name}` does not exist."
-            ))),
+            Some(name) => Err(
+                ApiError::not_found(format!("The model `{name}` does not exist."))
+                    .with_param("model"),
+            ),
         }
     }
 
-    /// 503 once the engine is dead, so no request is accepted that could never finish.
+    /// 503 once the engine is dead, so no request is accepted that could never finish, and
+    /// while the server shuts down.
     pub fn check_alive(&self) -> Result<(), ApiError> {
-        match self.llm.client.dead_reason() {
-            Some(why) => Err(ApiError::unavailable(format!("The engine is dead: {why}"))),
-            None => Ok(()),
+        if let Some(why) = self.llm.client.dead_reason() {
+            return Err(ApiError::unavailable(format!("The engine is dead: {why}")));
         }
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::unavailable(
+                "The server is shutting down: it takes no new requests.",
+            ));
+        }
+        Ok(())
     }
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let v1 = Router::new()
+    Router::new()
         .route("/v1/completions", post(completions::create_completion))
         .route("/v1/chat/completions", post(chat::create_chat_completion))
         .route("/v1/models", get(info::models))
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            require_api_key,
-        ));
-    Router::new()
-        .merge(v1)
         .route("/health", get(health::health))
         .route("/metrics", get(health::metrics))
         .route("/version", get(info::version))
         .route("/tokenize", post(info::tokenize))
         .route("/detokenize", post(info::detokenize))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(body::MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ))
         .with_state(state)
 }
 
-async fn require_api_key(
-    State(state): State<Arc<AppState>>,
-    req: Request,
-    next: Next,
-) -> Result<Response, ApiError> {
-    if let Some(key) = &state.api_key {
-        let given = req
-            .headers()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok());
-        if given != Some(format!("Bearer {key}").as_str()) {
-            return Err(ApiError::unauthorized());
-        }
-    }
-    Ok(next.run(req).await)
+async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(format!(
+        "Not Found: there is no endpoint at `{}`.",
+        uri.path()
+    ))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(format!(
+        "Method Not Allowed: `{}` does not answer {method}.",
+        uri.path()
+    ))
 }
 
 /// `vllm-rs serve`: returns the process's exit code.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
+    let shutdown_timeout = Duration::try_from_secs_f64(args.shutdown_timeout).map_err(|_| {
+        anyhow::anyhow!(
+            "--shutdown-timeout must be a number of seconds ≥ 0, got {}",
+            args.shutdown_timeout
+        )
+    })?;
     let llm = AsyncLLM::start(&args.engine).await?;
     let chat_template = match crate::chat_template::ChatTemplate::load(
         args.chat_template.as_deref(),
@@ -109,13 +134,21 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         llm,
         chat_template,
         served_model_names: args.engine.served_model_names(),
-        api_key: args.api_key.clone(),
+        // An empty key guards nothing, as in vLLM.
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        log_requests: args.enable_log_requests,
+        admission: admission::Admission::new(args.max_num_queued_reqs),
+        draining: AtomicBool::new(false),
         model_path: args.engine.model_name(),
     });
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))?;
+    let listener = match tokio::net::TcpListener::bind(&addr).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            state.llm.shutdown().await;
+            return Err(e).with_context(|| format!("cannot listen on {addr}"));
+        }
+    };
     tracing::info!(
         "serving {} on http://{addr}",
         state.served_model_names.join(", ")
@@ -137,8 +170,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
             tokio::time::sleep(Duration::from_secs(1)).await;
             1
         }
-        () = shutdown_signal() => {
-            tracing::info!("shutting down");
+        () = shutdown::signal() => {
+            shutdown::drain(&state, shutdown_timeout).await;
             0
         }
     };
@@ -146,20 +179,4 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     state.llm.shutdown().await;
     Ok(code)
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
-    }
 }

@@ -1,36 +1,13 @@
-//! Reading a request body: malformed JSON and unknown fields become 400s (never silently
-//! ignored), and the sampling fields every endpoint shares become `SamplingParams`.
+//! The fields every generating endpoint shares: the sampling knobs, read from the body's
+//! JSON object into `SamplingParams`, and the bounds on what one request may ask for
+//! (sequences, `max_tokens`) checked before any work is done.
 
-use std::collections::HashMap;
+use serde_json::Value;
+use vllm_protocol::{SamplingParams, MAX_LOGPROBS};
 
-use serde::de::DeserializeOwned;
-use serde::Deserialize;
-use vllm_protocol::SamplingParams;
-
+use super::fields::{shown, Fields};
 use super::ApiError;
 use crate::output_processor::TextOptions;
-
-/// Parses `body` as `T`, refusing fields outside `known`.
-pub fn parse_body<T: DeserializeOwned>(body: &[u8], known: &[&str]) -> Result<T, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("Invalid JSON in request body: {e}")))?;
-    let Some(object) = value.as_object() else {
-        return Err(ApiError::bad_request(
-            "The request body must be a JSON object.",
-        ));
-    };
-    if let Some(unknown) = object
-        .keys()
-        .find(|k| !known.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str()))
-    {
-        return Err(ApiError::invalid_param(
-            unknown.clone(),
-            format!("Unsupported field `{unknown}`: vllm-rs does not implement it."),
-        ));
-    }
-    serde_json::from_value(value)
-        .map_err(|e| ApiError::bad_request(format!("Invalid request: {e}")))
-}
 
 /// Field names of [`SamplingFields`], accepted by every generating endpoint.
 pub const SAMPLING_FIELDS: &[&str] = &[
@@ -53,16 +30,11 @@ pub const SAMPLING_FIELDS: &[&str] = &[
     "priority",
 ];
 
-/// `stop` may be one string or a list.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum StopField {
-    One(String),
-    Many(Vec<String>),
-}
+/// The most `logprobs` (completions) or `top_logprobs` (chat) a request may ask for.
+pub const MAX_TOP_LOGPROBS: u32 = MAX_LOGPROBS;
 
 /// The sampling knobs shared by completions and chat, with vLLM's defaults.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default)]
 pub struct SamplingFields {
     pub n: Option<u32>,
     pub temperature: Option<f32>,
@@ -70,17 +42,153 @@ pub struct SamplingFields {
     pub top_k: Option<i32>,
     pub min_p: Option<f32>,
     pub seed: Option<u64>,
-    pub stop: Option<StopField>,
+    pub stop: Vec<String>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub ignore_eos: Option<bool>,
     pub min_tokens: Option<u32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub repetition_penalty: Option<f32>,
-    pub logit_bias: Option<HashMap<String, f32>>,
+    /// (token id, bias), each bias clamped to [-100, 100] as vLLM does.
+    pub logit_bias: Vec<(u32, f32)>,
     pub include_stop_str_in_output: Option<bool>,
     pub skip_special_tokens: Option<bool>,
     pub priority: Option<i32>,
+}
+
+impl SamplingFields {
+    /// Reads the sampling fields, checking each one's type and range; `n` may be at most
+    /// `--max-num-seqs`.
+    pub fn read(f: &Fields, vocab_size: u32, max_num_seqs: u32) -> Result<Self, ApiError> {
+        Ok(Self {
+            n: f.u32("n", 1, max_num_seqs, "--max-num-seqs")?,
+            temperature: f.number("temperature", "≥ 0")?,
+            top_p: f.number("top_p", "in (0, 1]")?,
+            top_k: f
+                .int("top_k", -1, i32::MAX.into(), "0 or -1 disables it")?
+                .map(|k| k as i32),
+            min_p: f.number("min_p", "in [0, 1]")?,
+            seed: read_seed(f)?,
+            stop: read_stop(f)?,
+            stop_token_ids: f.token_ids("stop_token_ids", vocab_size)?,
+            ignore_eos: f.bool("ignore_eos")?,
+            min_tokens: f.u32("min_tokens", 0, u32::MAX, "")?,
+            presence_penalty: f.number("presence_penalty", "in [-2, 2]")?,
+            frequency_penalty: f.number("frequency_penalty", "in [-2, 2]")?,
+            repetition_penalty: f.number("repetition_penalty", "> 0")?,
+            logit_bias: read_logit_bias(f)?,
+            include_stop_str_in_output: f.bool("include_stop_str_in_output")?,
+            skip_special_tokens: f.bool("skip_special_tokens")?,
+            priority: f
+                .int("priority", i32::MIN.into(), i32::MAX.into(), "")?
+                .map(|p| p as i32),
+        })
+    }
+}
+
+/// A seed: any 64-bit integer, signed (as vLLM takes it) or not.
+fn read_seed(f: &Fields) -> Result<Option<u64>, ApiError> {
+    let Some(value) = f.get("seed") else {
+        return Ok(None);
+    };
+    match (value.as_u64(), value.as_i64()) {
+        (Some(v), _) => Ok(Some(v)),
+        (None, Some(v)) => Ok(Some(v as u64)),
+        _ => Err(ApiError::invalid_param(
+            "seed",
+            format!(
+                "seed must be an integer in [{}, {}], got {}.",
+                i64::MIN,
+                u64::MAX,
+                shown(value)
+            ),
+        )),
+    }
+}
+
+/// `stop`: one string or a list of them, none empty.
+fn read_stop(f: &Fields) -> Result<Vec<String>, ApiError> {
+    let bad = |m: String| ApiError::invalid_param("stop", m);
+    let stop = match f.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s.clone()),
+                other => Err(bad(format!(
+                    "stop[{i}] must be a string, got {}.",
+                    shown(other)
+                ))),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err(bad(format!(
+                "stop must be a string or a list of strings, got {}.",
+                shown(other)
+            )))
+        }
+    };
+    if let Some(i) = stop.iter().position(String::is_empty) {
+        return Err(bad(format!(
+            "stop cannot contain an empty string, got one at stop[{i}]."
+        )));
+    }
+    Ok(stop)
+}
+
+/// `logit_bias`: {"token id": bias}, biases clamped to [-100, 100] as vLLM does.
+fn read_logit_bias(f: &Fields) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = f.object("logit_bias")? else {
+        return Ok(Vec::new());
+    };
+    let bad = |m: String| ApiError::invalid_param("logit_bias", m);
+    map.iter()
+        .map(|(token, bias)| {
+            let id = token
+                .parse::<u32>()
+                .map_err(|_| bad(format!("logit_bias keys must be token ids, got {token:?}.")))?;
+            let bias = bias.as_f64().ok_or_else(|| {
+                bad(format!(
+                    "logit_bias[{token:?}] must be a number in [-100, 100], got {}.",
+                    shown(bias)
+                ))
+            })?;
+            Ok((id, bias.clamp(-100.0, 100.0) as f32))
+        })
+        .collect()
+}
+
+/// `max_tokens` (or `max_completion_tokens`): at least 1, and room left for a prompt of one
+/// token in the context.
+pub fn read_max_tokens(
+    f: &Fields,
+    name: &str,
+    max_model_len: u32,
+) -> Result<Option<u32>, ApiError> {
+    f.u32(
+        name,
+        1,
+        max_model_len.saturating_sub(1).max(1),
+        "the context length less a one-token prompt",
+    )
+}
+
+/// One request is at most one full step of the engine: prompts × n ≤ `--max-num-seqs`, so
+/// its outputs fit the frontend's memory and, with the scheduler's fair shares, it cannot
+/// starve other clients. Checked before any prompt is tokenized.
+pub fn check_sequences(n: u32, num_prompts: usize, max_num_seqs: u32) -> Result<(), ApiError> {
+    let sequences = num_prompts as u64 * u64::from(n);
+    if sequences > u64::from(max_num_seqs) {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!(
+                "The request asks for {sequences} sequences ({num_prompts} prompts × n={n}), but one request may ask for at most {max_num_seqs} (--max-num-seqs)."
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl SamplingFields {
@@ -93,19 +201,6 @@ impl SamplingFields {
         vocab_size: u32,
     ) -> Result<SamplingParams, ApiError> {
         let d = SamplingParams::default();
-        let logit_bias = self
-            .logit_bias
-            .iter()
-            .flatten()
-            .map(|(token, bias)| {
-                token.parse::<u32>().map(|t| (t, *bias)).map_err(|_| {
-                    ApiError::invalid_param(
-                        "logit_bias",
-                        format!("logit_bias keys must be token ids, got {token:?}."),
-                    )
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
         let params = SamplingParams {
             n: self.n.unwrap_or(1),
             temperature: self.temperature.unwrap_or(d.temperature),
@@ -121,7 +216,7 @@ impl SamplingFields {
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
-            logit_bias,
+            logit_bias: self.logit_bias.clone(),
         };
         params
             .validate(vocab_size)
@@ -131,11 +226,7 @@ impl SamplingFields {
 
     pub fn text_options(&self) -> TextOptions {
         TextOptions {
-            stop: match &self.stop {
-                None => Vec::new(),
-                Some(StopField::One(s)) => vec![s.clone()],
-                Some(StopField::Many(v)) => v.clone(),
-            },
+            stop: self.stop.clone(),
             include_stop_str_in_output: self.include_stop_str_in_output.unwrap_or(false),
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
         }

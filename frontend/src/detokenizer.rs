@@ -9,7 +9,10 @@
 //!
 //! The window starts in the last few prompt tokens, so the first output token decodes in
 //! context. For byte-level BPE the concatenation of every push and `finish` equals
-//! `decode(output_ids)`.
+//! `decode(output_ids)`, unless the prompt ends inside a UTF-8 character: then the
+//! output's first bytes decode together with the prompt's last ones (as in vLLM), and a
+//! U+FFFD that `decode(output_ids)` would show alone is not released again (the fuzz test
+//! `fuzz_incremental_detokenizer` found this case).
 
 use crate::tokenizer::Tokenizer;
 

@@ -2,7 +2,8 @@
 //! chat templates, and token ids through the incremental detokenizer, run with
 //! `vllm_fixtures::fuzz` (a bounded few seconds each in CI; `VLLM_FUZZ_ITERS=N` for a long
 //! run). Every input must end in a result or an error, never a panic, and the detokenizer
-//! must also keep its invariant: what it releases equals `decode` of the output ids.
+//! must also keep its invariant: what it releases equals `decode` of the output ids (when
+//! the prompt does not end inside a UTF-8 character).
 
 use serde_json::{json, Map, Value};
 use vllm_fixtures::fuzz::{fuzz, Verdict};
@@ -109,7 +110,8 @@ fn fuzz_chat_template_rendering() {
 
 /// Token ids from fuzz bytes: byte 0 picks skip_special_tokens (bit 0) and the tokenizer
 /// (bit 1), byte 1 the prompt length; then little-endian u32s, folded onto the vocabulary
-/// plus 64 ids past its end.
+/// plus 64 ids past its end. At most 64 ids: the corpus keeps every decodable input and
+/// repeats grow them, and a long sequence tests nothing a short one does not.
 fn ids_from(bytes: &[u8], vocab: u32) -> (bool, Vec<u32>, Vec<u32>) {
     let skip = bytes.first().is_some_and(|b| b & 1 == 1);
     let prompt_len = bytes.get(1).map_or(0, |b| (b % 8) as usize);
@@ -117,6 +119,7 @@ fn ids_from(bytes: &[u8], vocab: u32) -> (bool, Vec<u32>, Vec<u32>) {
         .get(2..)
         .unwrap_or_default()
         .chunks(4)
+        .take(64)
         .map(|c| {
             let mut w = [0u8; 4];
             w[..c.len()].copy_from_slice(c);
@@ -132,7 +135,13 @@ fn detokenize(tokenizer: &Tokenizer, vocab: u32, bytes: &[u8]) -> Verdict {
     let mut detok = IncrementalDetokenizer::new(tokenizer, &prompt, skip);
     let mut text: String = output.iter().map(|&id| detok.push(id)).collect();
     text.push_str(&detok.finish());
+    // A prompt that ends inside a UTF-8 character lends its bytes to the output's first
+    // ones, so there the output's own decode is not the reference (see detokenizer.rs).
+    let prompt_ends_whole = tokenizer
+        .decode(&prompt, skip)
+        .is_ok_and(|t| !t.ends_with(char::REPLACEMENT_CHARACTER));
     match tokenizer.decode(&output, skip) {
+        Ok(_) if !prompt_ends_whole => Verdict::Accepted,
         Ok(whole) => {
             assert_eq!(
                 text, whole,

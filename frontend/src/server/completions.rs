@@ -20,7 +20,7 @@ use super::request_fields::{
 use super::{ApiError, AppState};
 use crate::tokenizer::Tokenizer;
 
-const FIELDS: &[&str] = &[
+pub(super) const FIELDS: &[&str] = &[
     "model",
     "prompt",
     "max_tokens",
@@ -35,7 +35,7 @@ const FIELDS: &[&str] = &[
     "best_of",
 ];
 
-enum Prompt {
+pub(super) enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
@@ -45,7 +45,7 @@ enum Prompt {
 impl Prompt {
     /// Reads `prompt`: a string, strings, token ids or lists of token ids, every id within
     /// the vocabulary.
-    fn read(value: Option<&Value>, vocab_size: u32) -> Result<Self, ApiError> {
+    pub(super) fn read(value: Option<&Value>, vocab_size: u32) -> Result<Self, ApiError> {
         const WHAT: &str =
             "a string, a list of strings, a list of token ids or a list of lists of token ids";
         let bad = |m: String| ApiError::invalid_param("prompt", m);
@@ -91,7 +91,7 @@ impl Prompt {
     }
 
     /// How many prompts (each of which runs `n` times).
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             Prompt::Text(_) | Prompt::Tokens(_) => 1,
             Prompt::Texts(v) => v.len(),

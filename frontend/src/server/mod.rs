@@ -14,6 +14,8 @@ mod fields;
 mod health;
 mod info;
 mod request_fields;
+#[cfg(test)]
+mod request_fuzz;
 mod shutdown;
 
 use std::sync::atomic::{AtomicBool, Ordering};

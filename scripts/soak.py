@@ -216,8 +216,12 @@ def main():
         base = samples[0]
         lo, hi = min(samples), max(samples)
         ok = lo >= base * 0.9 and hi <= base * 1.1
+        # The trend tells a leak (steady growth) from warm-up (growth that levels off).
+        trend = " ".join(f"{samples[min(len(samples) - 1, len(samples) * q // 4)] / 1024:.0f}"
+                         for q in range(5))
         checks.append((f"RSS of pid {pid} within +-10% after warm-up", ok,
-                       f"{base / 1024:.0f} MiB at warm-up, {lo / 1024:.0f}-{hi / 1024:.0f} MiB after"))
+                       f"{base / 1024:.0f} MiB at warm-up, {lo / 1024:.0f}-{hi / 1024:.0f} MiB after; "
+                       f"at 0/25/50/75/100% of the run: {trend} MiB"))
     for detail in tally.bad[:10]:
         print("  ", detail)
     print(f"\n| soak check ({args.seconds:.0f}s, {args.clients} clients) | result | detail |")

@@ -95,7 +95,8 @@ async fn aborting_a_stream_frees_its_kv_blocks() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn greedy_output_equals_a_direct_forward() {
-    let server = Server::start(&[]);
+    // The direct forward (`greedy_reference`) computes in f32.
+    let server = Server::start(&["--dtype", "float32"]);
     let prompt: Vec<u32> = "The quick brown fox".bytes().map(u32::from).collect();
     let (status, body) = post(
         &server,

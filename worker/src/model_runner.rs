@@ -18,7 +18,8 @@ use crate::kv_cache::{bytes_per_block, KvCache};
 use crate::layers::TensorParallel;
 use crate::models::{variant_for, LlamaForCausalLM};
 use crate::sampler::{Sampler, SamplingRequest};
-use crate::weights::Weights;
+use crate::weights::{DType, Weights};
+use vllm_kernels::cpu::fast::Isa;
 
 /// How the engine-core configured this worker.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -72,6 +73,15 @@ pub struct ModelRunner<B: Backend = CpuBackend> {
     sampler: Sampler,
 }
 
+/// Threads of one CPU rank: `VLLM_CPU_NUM_THREADS`, else the cores shared out among the
+/// ranks of this machine.
+fn cpu_threads(world_size: usize) -> usize {
+    if std::env::var_os("VLLM_CPU_NUM_THREADS").is_some() {
+        return vllm_kernels::cpu::fast::default_threads();
+    }
+    (vllm_kernels::cpu::fast::default_threads() / world_size.max(1)).max(1)
+}
+
 /// `max_model_len` from the flag, bounded by the model's `max_position_embeddings`.
 fn resolve_max_model_len(cfg: &WorkerConfig, model: &ModelConfig) -> Result<usize> {
     let limit = model.max_position_embeddings;
@@ -96,26 +106,27 @@ impl ModelRunner<CpuBackend> {
     pub fn load_in_group(cfg: &WorkerConfig, group: Option<&GroupInit>) -> Result<Self> {
         match cfg.device.as_str() {
             "cpu" => {
-                if let Some(d) = cfg
-                    .dtype
-                    .as_deref()
-                    .filter(|d| !matches!(*d, "auto" | "float32"))
-                {
-                    tracing::info!(
-                        "the CPU backend computes in float32; --dtype {d} applies to GPUs only"
-                    );
-                }
-                let backend = if cfg.world_size == 1 {
-                    CpuBackend::new()
-                } else {
+                // `--dtype` is the weights' dtype here too (auto: bfloat16); activations,
+                // norms and the KV cache stay f32.
+                let dtype = DType::from_flag(cfg.dtype.as_deref())?;
+                let threads = cpu_threads(cfg.world_size as usize);
+                let isa = Isa::detect();
+                let mut backend = CpuBackend::with_kernels(dtype, threads, isa);
+                if cfg.world_size > 1 {
                     let group = group.context("a tensor-parallel rank needs its group")?;
-                    CpuBackend::with_communicator(ShmCommunicator::open(
+                    backend = backend.with_communicator(ShmCommunicator::open(
                         &group.shm_path,
                         cfg.rank as usize,
                         cfg.world_size as usize,
                         std::time::Duration::from_secs_f64(cfg.execute_model_timeout_s),
-                    )?)
-                };
+                    )?);
+                }
+                tracing::info!(
+                    weights = dtype.name(),
+                    threads,
+                    isa = isa.name(),
+                    "CPU backend ready"
+                );
                 Self::with_backend(backend, cfg)
             }
             other => bail!("device \"{other}\" is not supported (supported: cpu, cuda)"),

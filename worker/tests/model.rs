@@ -21,7 +21,8 @@ fn worker_config(dir: &Path) -> WorkerConfig {
         rank: 0,
         world_size: 1,
         device: "cpu".into(),
-        dtype: None,
+        // The reference forward (`greedy_reference`) computes in f32.
+        dtype: Some("float32".into()),
         block_size: BLOCK_SIZE,
         max_model_len: Some(256),
         max_num_batched_tokens: 256,

@@ -1,4 +1,5 @@
-//! CPU reference kernels (f32).
+//! CPU reference kernels (f32), and beside them (`fast`) the multi-threaded SIMD kernels
+//! the CPU backend serves with.
 //!
 //! One concept per file. Every function works on plain slices with explicit shapes, so the
 //! CUDA kernels can be checked against them element for element. Shapes are row-major;
@@ -8,6 +9,7 @@ pub mod activation;
 pub mod attention;
 pub mod cache;
 pub mod embedding;
+pub mod fast;
 pub mod gemm;
 pub mod norm;
 pub mod rotary;

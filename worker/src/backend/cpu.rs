@@ -1,24 +1,43 @@
-//! `CpuBackend`: the `Backend` over `vllm_kernels::cpu`, everything in f32.
+//! `CpuBackend`: the `Backend` on the host, over `vllm_kernels::cpu`.
 //!
-//! Serves `--device cpu` and is the reference the CUDA backend is checked against. With a
-//! tensor-parallel size above 1, its collectives go through the `ShmCommunicator`.
+//! Serves `--device cpu`, and is the reference the CUDA backend is checked against.
+//! Activations, norms, biases and the KV cache are f32. Each 2-D weight is packed at load
+//! time for the fast kernels (`cpu::fast`: one thread per core, SIMD picked at run time)
+//! in the weight dtype (`--dtype`: f32, bf16 or f16; products are accumulated in f32, and
+//! with bf16 weights a layer's input is rounded to bf16 as well, for `vdpbf16ps`), and the
+//! MLP's gate/up projection is fused with SiLU·mul. `CpuBackend::reference()`
+//! runs the plain reference kernels instead, on dense f32 weights. With a tensor-parallel
+//! size above 1, collectives go through the `ShmCommunicator`.
+
+use std::sync::Arc;
 
 use anyhow::{ensure, Result};
 use vllm_kernels::cpu as k;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
+use vllm_kernels::cpu::fast::{self, Isa, PackedMatrix, ThreadPool};
 
 use super::{Backend, StepMetadata};
 use crate::communicator::{Communicator, ShmCommunicator};
 use crate::weights::{DType, HostTensor, WeightTensor};
 
-/// A host f32 tensor; `shape[0]` is rows, the product of the rest is columns.
+/// A host tensor; `shape[0]` is rows, the product of the rest is columns. Its values are
+/// `data` in f32, or (a weight of the fast kernels) `weight`, packed, with `data` empty.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CpuTensor {
     pub shape: Vec<usize>,
     pub data: Vec<f32>,
+    weight: Option<Arc<PackedMatrix>>,
 }
 
 impl CpuTensor {
+    /// An f32 tensor.
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        Self {
+            shape,
+            data,
+            weight: None,
+        }
+    }
     fn rows(&self) -> usize {
         self.shape.first().copied().unwrap_or(1)
     }
@@ -26,32 +45,91 @@ impl CpuTensor {
         self.shape.iter().skip(1).product()
     }
     fn matrix(rows: usize, cols: usize, data: Vec<f32>) -> Self {
-        Self {
-            shape: vec![rows, cols],
-            data,
-        }
+        Self::new(vec![rows, cols], data)
     }
     /// Output buffers start as NaN so a kernel that skips an element shows up in tests.
     fn poisoned(rows: usize, cols: usize) -> Self {
         Self::matrix(rows, cols, vec![f32::NAN; rows * cols])
     }
+    /// The packed weight, if this is one.
+    pub fn packed(&self) -> Option<&PackedMatrix> {
+        self.weight.as_deref()
+    }
+    /// The f32 values of a tensor an op reads element by element.
+    fn dense(&self) -> Result<&[f32]> {
+        ensure!(
+            self.weight.is_none(),
+            "a packed weight {:?} used where f32 values are needed",
+            self.shape
+        );
+        Ok(&self.data)
+    }
 }
 
-#[derive(Default)]
+/// Which kernels run, and in what the fast ones keep weights.
+#[derive(Clone)]
+enum Kernels {
+    /// `vllm_kernels::cpu`'s reference kernels on dense f32 weights.
+    Reference,
+    Fast {
+        weights: DType,
+        pool: Arc<ThreadPool>,
+        isa: Isa,
+    },
+}
+
 pub struct CpuBackend {
     /// The tensor-parallel group; `None` at world size 1.
     comm: Option<ShmCommunicator>,
+    kernels: Kernels,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl CpuBackend {
-    /// A single-rank backend.
+    /// A single-rank backend on the fast kernels with f32 weights, one thread per core
+    /// (`VLLM_CPU_NUM_THREADS` overrides) and the best SIMD of this CPU (`VLLM_CPU_ISA`
+    /// caps it).
     pub fn new() -> Self {
-        Self::default()
+        Self::with_kernels(DType::F32, fast::default_threads(), Isa::detect())
     }
 
-    /// A backend whose collectives run over `comm`.
-    pub fn with_communicator(comm: ShmCommunicator) -> Self {
-        Self { comm: Some(comm) }
+    /// The fast kernels with weights stored in `weights`, on `threads` threads and `isa`.
+    pub fn with_kernels(weights: DType, threads: usize, isa: Isa) -> Self {
+        Self {
+            comm: None,
+            kernels: Kernels::Fast {
+                weights,
+                pool: ThreadPool::shared(threads),
+                isa,
+            },
+        }
+    }
+
+    /// A single-rank backend on the plain f32 reference kernels (tests).
+    pub fn reference() -> Self {
+        Self {
+            comm: None,
+            kernels: Kernels::Reference,
+        }
+    }
+
+    /// This backend, its collectives running over `comm`.
+    pub fn with_communicator(mut self, comm: ShmCommunicator) -> Self {
+        self.comm = Some(comm);
+        self
+    }
+
+    /// The fast kernels' pool and ISA, if they run.
+    fn fast(&self) -> Option<(&ThreadPool, Isa)> {
+        match &self.kernels {
+            Kernels::Reference => None,
+            Kernels::Fast { pool, isa, .. } => Some((pool, *isa)),
+        }
     }
 }
 
@@ -63,32 +141,46 @@ impl Backend for CpuBackend {
         "cpu".to_string()
     }
     fn dtype_name(&self) -> &'static str {
-        "float32"
+        self.weight_dtype().name()
     }
     fn kv_cache_element_bytes(&self) -> usize {
         4
     }
 
     fn upload(&self, t: &HostTensor) -> Result<CpuTensor> {
-        Ok(CpuTensor {
-            shape: t.shape.clone(),
-            data: t.data.clone(),
-        })
+        Ok(CpuTensor::new(t.shape.clone(), t.data.clone()))
     }
     fn weight_dtype(&self) -> DType {
-        DType::F32
+        match &self.kernels {
+            Kernels::Reference => DType::F32,
+            Kernels::Fast { weights, .. } => *weights,
+        }
     }
+    /// Matrices are packed in the weight dtype; vectors (norms, biases) stay f32.
     fn upload_weight(&self, w: &WeightTensor) -> Result<CpuTensor> {
-        Ok(CpuTensor {
-            shape: w.shape.clone(),
-            data: w.to_f32(),
-        })
+        match (&self.kernels, w.shape.as_slice()) {
+            (Kernels::Fast { weights, isa, .. }, &[rows, cols]) => {
+                let layout = fast::matmul::bf16_layout_for(*isa);
+                let packed =
+                    PackedMatrix::from_le_bytes(&w.bytes(), w.dtype, *weights, rows, cols, layout);
+                Ok(CpuTensor {
+                    shape: w.shape.clone(),
+                    data: Vec::new(),
+                    weight: Some(Arc::new(packed)),
+                })
+            }
+            _ => Ok(CpuTensor::new(w.shape.clone(), w.to_f32())),
+        }
     }
     fn upload_ints(&self, data: &[i32]) -> Result<Vec<i32>> {
         Ok(data.to_vec())
     }
     fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
-        Ok(HostTensor::new(t.shape.clone(), t.data.clone()))
+        let data = match t.packed() {
+            Some(w) => w.to_f32(),
+            None => t.data.clone(),
+        };
+        Ok(HostTensor::new(t.shape.clone(), data))
     }
 
     fn alloc_kv_cache(
@@ -99,10 +191,10 @@ impl Backend for CpuBackend {
         head_dim: usize,
     ) -> Result<CpuTensor> {
         let n = num_blocks * block_size * num_kv_heads * head_dim;
-        Ok(CpuTensor {
-            shape: vec![num_blocks, block_size, num_kv_heads, head_dim],
-            data: vec![0.0; n],
-        })
+        Ok(CpuTensor::new(
+            vec![num_blocks, block_size, num_kv_heads, head_dim],
+            vec![0.0; n],
+        ))
     }
 
     fn embedding(
@@ -114,7 +206,17 @@ impl Backend for CpuBackend {
         let hidden = table.cols();
         let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
         let mut out = CpuTensor::poisoned(ids.len(), hidden);
-        k::embedding(&ids, &table.data, vocab_start, hidden, &mut out.data);
+        let Some(w) = table.packed() else {
+            k::embedding(&ids, &table.data, vocab_start, hidden, &mut out.data);
+            return Ok(out);
+        };
+        // `k::embedding` on the packed table: its row, or zeros outside the shard.
+        for (&id, dst) in ids.iter().zip(out.data.chunks_exact_mut(hidden.max(1))) {
+            match (id as usize).checked_sub(vocab_start) {
+                Some(r) if r < w.rows() => w.row_into(r, dst),
+                _ => dst.fill(0.0),
+            }
+        }
         Ok(out)
     }
 
@@ -125,17 +227,32 @@ impl Backend for CpuBackend {
             "linear: x has {kk} columns, weight {:?}",
             w.shape
         );
+        let bias = bias.map(CpuTensor::dense).transpose()?;
         let mut out = CpuTensor::poisoned(m, n);
-        k::linear(
-            &x.data,
-            &w.data,
-            bias.map(|b| b.data.as_slice()),
-            m,
-            kk,
-            n,
-            &mut out.data,
-        );
+        match (w.packed(), self.fast()) {
+            (Some(pw), Some((pool, isa))) => {
+                fast::matmul::linear(x.dense()?, m, pw, bias, &mut out.data, pool, isa)
+            }
+            _ => k::linear(x.dense()?, w.dense()?, bias, m, kk, n, &mut out.data),
+        }
         Ok(out)
+    }
+
+    fn linear_silu_and_mul(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
+        match (w.packed(), self.fast()) {
+            (Some(pw), Some((pool, isa))) if fast::matmul::fuses_silu_and_mul(pw) => {
+                let (m, kk) = (x.rows(), x.cols());
+                ensure!(
+                    pw.cols() == kk,
+                    "linear_silu_and_mul: x has {kk} columns, weight {:?}",
+                    w.shape
+                );
+                let mut out = CpuTensor::poisoned(m, pw.rows() / 2);
+                fast::matmul::linear_silu_and_mul(x.dense()?, m, pw, &mut out.data, pool, isa);
+                Ok(out)
+            }
+            _ => self.silu_and_mul(&self.linear(x, w, None)?),
+        }
     }
 
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
@@ -231,17 +348,33 @@ impl Backend for CpuBackend {
         scale: f32,
     ) -> Result<CpuTensor> {
         let mut out = CpuTensor::poisoned(q.rows(), q.cols());
-        k::paged_attention(
-            &q.data,
-            &key_cache.data,
-            &value_cache.data,
-            &meta.block_tables,
-            &meta.seq_lens,
-            &meta.query_start_loc,
-            shape,
-            scale,
-            &mut out.data,
-        );
+        let (q, kc, vc) = (q.dense()?, key_cache.dense()?, value_cache.dense()?);
+        match self.fast() {
+            Some((pool, isa)) => fast::attention::paged_attention(
+                q,
+                kc,
+                vc,
+                &meta.block_tables,
+                &meta.seq_lens,
+                &meta.query_start_loc,
+                shape,
+                scale,
+                &mut out.data,
+                pool,
+                isa,
+            ),
+            None => k::paged_attention(
+                q,
+                kc,
+                vc,
+                &meta.block_tables,
+                &meta.seq_lens,
+                &meta.query_start_loc,
+                shape,
+                scale,
+                &mut out.data,
+            ),
+        }
         Ok(out)
     }
 

@@ -1,8 +1,8 @@
 //! The `Backend`: every op the model uses, over backend-owned tensor handles.
 //!
 //! Model code is written once against this trait and never touches elements; the CPU
-//! backend (`cpu.rs`) runs the f32 reference kernels, the CUDA backend (`cuda/`) implements
-//! the same ops with its own kernels. Per-step metadata (`StepInputs`) is uploaded once per
+//! backend (`cpu.rs`) runs the fast CPU kernels (or the f32 reference kernels), the CUDA
+//! backend (`cuda/`) implements the same ops with its own kernels. Per-step metadata (`StepInputs`) is uploaded once per
 //! step as small i32 tensors (`StepMetadata`) that every layer reads.
 
 pub mod cpu;
@@ -173,6 +173,11 @@ pub trait Backend {
     ) -> Result<Self::Tensor>;
     /// [T, 2d] → [T, d]: `silu(gate) * up`.
     fn silu_and_mul(&self, x: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `silu_and_mul(linear(x, w))` for the fused gate/up weight `w` [2d, in]; a backend
+    /// may fuse the two (the CPU backend does, saving the [T, 2d] round trip).
+    fn linear_silu_and_mul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor> {
+        self.silu_and_mul(&self.linear(x, w, None)?)
+    }
     /// Rows `indices` of `x`, in order.
     fn gather_rows(&self, x: &Self::Tensor, indices: &Self::Ints) -> Result<Self::Tensor>;
 

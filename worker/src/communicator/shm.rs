@@ -201,10 +201,7 @@ impl Communicator for ShmCommunicator {
     fn all_gather(&self, x: &CpuTensor) -> Result<CpuTensor> {
         let mut shape = x.shape.clone();
         shape[0] *= self.world_size;
-        Ok(CpuTensor {
-            shape,
-            data: self.all_gather_f32(&x.data)?,
-        })
+        Ok(CpuTensor::new(shape, self.all_gather_f32(&x.data)?))
     }
 
     fn broadcast(&self, x: &mut CpuTensor, root: usize) -> Result<()> {
@@ -266,10 +263,7 @@ mod tests {
     fn all_gather_stacks_ranks_in_order() {
         let len = SLOT_ELEMS + 9;
         let results = on_ranks(4, Duration::from_secs(30), |c| {
-            let t = CpuTensor {
-                shape: vec![1, len],
-                data: rank_data(c.rank(), len),
-            };
+            let t = CpuTensor::new(vec![1, len], rank_data(c.rank(), len));
             c.all_gather(&t).unwrap()
         });
         let expected: Vec<f32> = (0..4).flat_map(|r| rank_data(r, len)).collect();

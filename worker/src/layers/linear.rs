@@ -126,6 +126,12 @@ impl<B: Backend> MergedColumnParallelLinear<B> {
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
         b.linear(x, &self.weight, None)
     }
+
+    /// `silu(gate) · up` of the two halves of the output (the gated MLP), fused where the
+    /// backend can.
+    pub fn forward_silu_and_mul(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        b.linear_silu_and_mul(x, &self.weight)
+    }
 }
 
 /// Row-parallel projection (o_proj, down_proj): this rank's input columns, then the

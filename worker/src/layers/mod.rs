@@ -1,8 +1,7 @@
 //! Layers of a Llama-family decoder, written against the `Backend`: the tensor-parallel
-//! linear layers and embeddings of DESIGN §7, RMSNorm, rotary embedding, paged attention
-//! and the gated activation.
+//! linear layers and embeddings of DESIGN §7 (the merged gate/up one also applies the
+//! gated activation), RMSNorm, rotary embedding and paged attention.
 
-pub mod activation;
 pub mod attention;
 pub mod embedding;
 pub mod linear;

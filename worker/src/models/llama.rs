@@ -10,7 +10,6 @@ use anyhow::Result;
 use crate::backend::{Backend, StepMetadata};
 use crate::config::ModelConfig;
 use crate::kv_cache::KvCache;
-use crate::layers::activation::silu_and_mul;
 use crate::layers::attention::Attention;
 use crate::layers::embedding::{ParallelLMHead, VocabParallelEmbedding};
 use crate::layers::linear::{MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear};
@@ -156,8 +155,8 @@ impl<B: Backend> LlamaMlp<B> {
     }
 
     fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let gate_up = self.gate_up_proj.forward(b, x)?;
-        self.down_proj.forward(b, &silu_and_mul(b, &gate_up)?)
+        let act = self.gate_up_proj.forward_silu_and_mul(b, x)?;
+        self.down_proj.forward(b, &act)
     }
 }
 

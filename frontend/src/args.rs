@@ -113,7 +113,8 @@ pub struct EngineArgs {
     /// Never capture CUDA graphs (accepted for vLLM compatibility: none are captured yet).
     #[arg(long)]
     pub enforce_eager: bool,
-    /// Weight and activation dtype: auto (the checkpoint's), bfloat16, float16, float32.
+    /// Compute dtype: auto (bfloat16), bfloat16, float16, float32. On the CPU, bf16 and f16
+    /// store the weight matrices in that dtype; float32 is the exact reference path.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// The format of the model weights to load. "auto" loads the safetensors checkpoint;

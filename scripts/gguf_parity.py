@@ -17,7 +17,6 @@ Usage (on the GPU machine, from the repository root; transformers needs the `ggu
 """
 
 import argparse
-import concurrent.futures
 import os
 import sys
 import time
@@ -27,19 +26,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_parity import NEW_TOKENS, hf_side  # noqa: E402
-from tp_parity import complete, divergences, serve, summary  # noqa: E402
+from smollm2_prompts import PROMPTS as SMOLLM2_PROMPTS  # noqa: E402
+from tp_parity import divergences, ours, summary  # noqa: E402
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox",
-    "In 1492, Christopher Columbus",
-    "My favorite food is",
-    "import numpy as np\n",
+# The CPU reference's ten prompts, then six more: chat turns, code, longer text.
+PROMPTS = SMOLLM2_PROMPTS + [
     "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     "Write a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
     "The mitochondria is the powerhouse of",
@@ -66,17 +57,6 @@ def transformers_side(folder, name, prompts, dtype):
     return first, tokens, rows, eager_tokens
 
 
-def ours(binary, gguf, port, prompts, log_path, dtype):
-    proc, startup = serve(binary, gguf, 1, port, log_path, dtype)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            runs = list(pool.map(lambda p: complete(port, p), prompts))
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    return [r[0] for r in runs], [r[1] for r in runs], startup
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -96,8 +76,9 @@ def main():
         t0 = time.time()
         hf_first, hf_tokens, hf_rows, eager_tokens = transformers_side(folder, name, prompts, tdtype)
         print(f"transformers {dtype}: load + run {time.time() - t0:.0f}s", flush=True)
-        our_tokens, our_tops, startup = ours(args.bin, args.gguf, port, prompts,
-                                             os.path.join(args.work, f"serve-{dtype}.log"), dtype)
+        runs, startup = ours(args.bin, args.gguf, 1, port, prompts,
+                             os.path.join(args.work, f"serve-{dtype}.log"), dtype)
+        our_tokens, our_tops = [r[0] for r in runs], [r[1] for r in runs]
         print(f"vllm-rs {dtype}: serve -> /health 200 in {startup:.1f}s", flush=True)
         first_diff = max(max(abs(v - hf_first[i][t]) for t, v in our_tops[i][0].items())
                          for i in range(n))

@@ -20,18 +20,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-    "def fibonacci(n):",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox",
-    "In 1492, Christopher Columbus",
-    "My favorite food is",
-    "import numpy as np\n",
-]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from smollm2_prompts import PROMPTS  # noqa: E402
+
 MAX_NEW_TOKENS = 32
 
 path = os.path.abspath(sys.argv[1])

@@ -155,7 +155,6 @@ fn detokenize(tokenizer: &Tokenizer, vocab: u32, bytes: &[u8]) -> Verdict {
 
 #[test]
 fn fuzz_incremental_detokenizer() {
-    // get_vocab_size builds the whole vocabulary map: once, not per input.
     let tokenizers: Vec<(Tokenizer, u32)> = ["Qwen3-0.6B", "Llama-3.2-1B-Instruct"]
         .iter()
         .map(|name| {

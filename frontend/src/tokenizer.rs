@@ -33,6 +33,8 @@ pub struct Tokenizer {
     add_bos_token: Option<bool>,
     chat_templates: Vec<ChatTemplate>,
     special_token_ids: Arc<BTreeSet<u32>>,
+    /// tokenizers' `get_vocab_size(true)` builds the whole vocabulary map: counted once.
+    vocab_size: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -97,6 +99,7 @@ impl Tokenizer {
             .collect();
         let id_of = |t: &Option<String>| t.as_deref().and_then(|t| inner.token_to_id(t));
         Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
             eos_token_id: id_of(&config.eos_token),
             bos_token_id: id_of(&config.bos_token),
             eos_token: config.eos_token,
@@ -128,7 +131,7 @@ impl Tokenizer {
 
     /// Number of tokens, added tokens included (the model's embedding may be larger).
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn token_to_id(&self, token: &str) -> Option<u32> {

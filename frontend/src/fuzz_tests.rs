@@ -130,8 +130,8 @@ fn ids_from(bytes: &[u8], vocab: u32) -> (bool, Vec<u32>, Vec<u32>) {
     (skip, ids[..split].to_vec(), ids[split..].to_vec())
 }
 
-fn detokenize(tokenizer: &Tokenizer, vocab: u32, bytes: &[u8]) -> Verdict {
-    let (skip, prompt, output) = ids_from(bytes, vocab);
+fn detokenize(tokenizer: &Tokenizer, bytes: &[u8]) -> Verdict {
+    let (skip, prompt, output) = ids_from(bytes, tokenizer.vocab_size() as u32);
     let mut detok = IncrementalDetokenizer::new(tokenizer, &prompt, skip);
     let mut text: String = output.iter().map(|&id| detok.push(id)).collect();
     text.push_str(&detok.finish());
@@ -155,18 +155,14 @@ fn detokenize(tokenizer: &Tokenizer, vocab: u32, bytes: &[u8]) -> Verdict {
 
 #[test]
 fn fuzz_incremental_detokenizer() {
-    let tokenizers: Vec<(Tokenizer, u32)> = ["Qwen3-0.6B", "Llama-3.2-1B-Instruct"]
+    let tokenizers: Vec<Tokenizer> = ["Qwen3-0.6B", "Llama-3.2-1B-Instruct"]
         .iter()
-        .map(|name| {
-            let t = load(name);
-            let vocab = t.vocab_size() as u32;
-            (t, vocab)
-        })
+        .map(|name| load(name))
         .collect();
     let seeds: Vec<Vec<u8>> = tokenizers
         .iter()
         .enumerate()
-        .map(|(i, (t, _))| {
+        .map(|(i, t)| {
             let ids = t
                 .encode("Héllo wörld 🙂 — 你好, <|im_end|>", false)
                 .unwrap();
@@ -177,9 +173,8 @@ fn fuzz_incremental_detokenizer() {
         })
         .collect();
     let report = fuzz("detokenizer", &seeds, &[], 3.0, |bytes| {
-        let (tokenizer, vocab) =
-            &tokenizers[usize::from(bytes.first().is_some_and(|b| b & 2 != 0))];
-        detokenize(tokenizer, *vocab, bytes)
+        let tokenizer = &tokenizers[usize::from(bytes.first().is_some_and(|b| b & 2 != 0))];
+        detokenize(tokenizer, bytes)
     });
     println!("{report}");
     assert!(report.accepted > 0, "nothing decoded: {report}");

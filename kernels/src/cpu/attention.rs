@@ -19,6 +19,43 @@ pub struct PagedAttentionShape {
     pub max_blocks_per_seq: usize,
 }
 
+impl PagedAttentionShape {
+    /// Panics unless the buffers' lengths fit this shape for `seq_lens.len()` sequences (see
+    /// `paged_attention`).
+    pub fn check(
+        &self,
+        q_len: usize,
+        out_len: usize,
+        block_tables_len: usize,
+        seq_lens: &[i32],
+        query_start_loc: &[i32],
+    ) {
+        let num_seqs = seq_lens.len();
+        assert_eq!(
+            query_start_loc.len(),
+            num_seqs + 1,
+            "paged_attention: query_start_loc shape"
+        );
+        let t = query_start_loc[num_seqs] as usize;
+        assert_eq!(
+            q_len,
+            t * self.num_q_heads * self.head_dim,
+            "paged_attention: q shape"
+        );
+        assert_eq!(out_len, q_len, "paged_attention: out shape");
+        assert_eq!(
+            block_tables_len,
+            num_seqs * self.max_blocks_per_seq,
+            "paged_attention: block_tables shape"
+        );
+        assert_eq!(
+            self.num_q_heads % self.num_kv_heads,
+            0,
+            "paged_attention: GQA group"
+        );
+    }
+}
+
 /// Shapes: `q`, `out` [T, num_q_heads, head_dim]; caches [num_blocks, block_size,
 /// num_kv_heads, head_dim]; `block_tables` [num_seqs, max_blocks_per_seq]; `seq_lens`
 /// [num_seqs]; `query_start_loc` [num_seqs + 1] with `query_start_loc[num_seqs] == T`.
@@ -43,24 +80,13 @@ pub fn paged_attention(
         max_blocks_per_seq,
     } = *shape;
     let num_seqs = seq_lens.len();
-    assert_eq!(
-        query_start_loc.len(),
-        num_seqs + 1,
-        "paged_attention: query_start_loc shape"
-    );
-    let t = query_start_loc[num_seqs] as usize;
-    assert_eq!(
+    shape.check(
         q.len(),
-        t * num_q_heads * head_dim,
-        "paged_attention: q shape"
-    );
-    assert_eq!(out.len(), q.len(), "paged_attention: out shape");
-    assert_eq!(
+        out.len(),
         block_tables.len(),
-        num_seqs * max_blocks_per_seq,
-        "paged_attention: block_tables shape"
+        seq_lens,
+        query_start_loc,
     );
-    assert_eq!(num_q_heads % num_kv_heads, 0, "paged_attention: GQA group");
     let group = num_q_heads / num_kv_heads;
     let kv_row = num_kv_heads * head_dim;
     let mut scores = Vec::new();

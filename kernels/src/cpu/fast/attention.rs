@@ -82,24 +82,13 @@ pub fn paged_attention(
         max_blocks_per_seq,
     } = *shape;
     let num_seqs = seq_lens.len();
-    assert_eq!(
-        query_start_loc.len(),
-        num_seqs + 1,
-        "paged_attention: query_start_loc shape"
-    );
-    let t = query_start_loc[num_seqs] as usize;
-    assert_eq!(
+    shape.check(
         q.len(),
-        t * num_q_heads * head_dim,
-        "paged_attention: q shape"
-    );
-    assert_eq!(out.len(), q.len(), "paged_attention: out shape");
-    assert_eq!(
+        out.len(),
         block_tables.len(),
-        num_seqs * max_blocks_per_seq,
-        "paged_attention: block_tables shape"
+        seq_lens,
+        query_start_loc,
     );
-    assert_eq!(num_q_heads % num_kv_heads, 0, "paged_attention: GQA group");
     assert_eq!(
         key_cache.len(),
         value_cache.len(),

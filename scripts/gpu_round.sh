@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_round.sh [stage…]     stages: info kernels model serve serve-quick parity
 #                                     parity32 bench offline-bench profile latency-8b
-#                                     kernel-bench
+#                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
@@ -121,6 +121,7 @@ time_to_health() {
             wait "$pid" 2>/dev/null
             return 0
         fi
+        kill -0 "$pid" 2>/dev/null || { echo "exited ($(grep '^error' "$LOG/serve-$port.log" | head -1))"; return 1; }
         sleep 0.1
     done
     kill "$pid" 2>/dev/null
@@ -322,6 +323,7 @@ for s in $STAGES; do
     offline-bench) stage offline-bench offline_bench "$MODELS/qwen3-0.6b" ;;
     profile) stage profile profile_stage ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
+    graphs) stage graphs "$G/worker_tests" backend::cuda::tests::decode_latency_bench --ignored --nocapture ;;
     latency-8b) stage latency-8b latency_8b ;;
     tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;
     tp-serve) stage tp-serve tp_serve ;;

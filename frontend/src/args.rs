@@ -110,7 +110,8 @@ pub struct EngineArgs {
     /// Force the number of KV blocks, whatever the memory budget says.
     #[arg(long)]
     pub num_gpu_blocks_override: Option<u32>,
-    /// Never capture CUDA graphs (accepted for vLLM compatibility: none are captured yet).
+    /// Never capture CUDA graphs: run every decode step op by op (slower at small batches;
+    /// for debugging, and to compare against graphs).
     #[arg(long)]
     pub enforce_eager: bool,
     /// Compute dtype: auto (bfloat16), bfloat16, float16, float32. On the CPU, bf16 and f16
@@ -253,6 +254,7 @@ impl EngineArgs {
             attention_backend: AttentionBackend::from_name(&self.attention_backend)
                 .unwrap_or_default(),
             execute_model_timeout_s: self.execute_model_timeout,
+            enforce_eager: self.enforce_eager,
         })
     }
 

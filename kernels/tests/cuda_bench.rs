@@ -96,10 +96,11 @@ fn attention(dev: &CudaDevice, ops: &CudaOps) {
         ("flash", AttentionKernels::flash(true)),
     ] {
         let plan = AttentionPlan::new(&qsl, &seq_lens, HQ, HKV, ops.num_sms, kernels).unwrap();
-        let (ts, tt, ds) = (
+        let (ts, tt, ds, dp) = (
             ints(&plan.tile_seq),
             ints(&plan.tile_token),
             ints(&plan.decode_seqs),
+            ints(&[plan.decode_partition as i32]),
         );
         let meta = AttentionMeta {
             block_tables: &bt,
@@ -109,6 +110,7 @@ fn attention(dev: &CudaDevice, ops: &CudaOps) {
             tile_seq: &ts,
             tile_token: &tt,
             decode_seqs: &ds,
+            decode_partition: &dp,
             plan: &plan,
         };
         let dims = AttentionDims {

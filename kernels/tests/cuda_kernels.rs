@@ -531,6 +531,7 @@ fn attention_case_with(
         tile_seq: &c.ints(&plan.tile_seq),
         tile_token: &c.ints(&plan.tile_token),
         decode_seqs: &c.ints(&plan.decode_seqs),
+        decode_partition: &c.ints(&[plan.decode_partition as i32]),
         plan: &plan,
     };
     let dims = AttentionDims {
@@ -586,6 +587,9 @@ fn paged_attention_matches_cpu() {
                                                          // Long decodes of few sequences: the split (flash-decoding) path.
         attention_case(&c, &mut r, &[(3000, 1), (1234, 1)], 16, 8, 128, 16);
         attention_case(&c, &mut r, &[(4099, 1)], 32, 8, 64, 16);
+        // Decodes only, as a padded graph batch has them: a single key beside long ones
+        // (most partitions of the fixed grid lie past their sequence's end).
+        attention_case(&c, &mut r, &[(0, 1), (2000, 1), (5, 1)], 16, 8, 128, 16);
         // A full decode batch of mixed lengths (two 512-key partitions, some sequences
         // ending in the first), and long prefills over cached prefixes (many key tiles,
         // the causal edge inside a tile).

@@ -3,6 +3,7 @@
 pub mod backend;
 pub mod communicator;
 pub mod config;
+pub mod cuda_graphs;
 pub mod input_batch;
 pub mod kv_cache;
 pub mod layers;

@@ -9,11 +9,13 @@ use vllm_protocol::{
     DistributedInit, ModelInfo, ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerProfile,
 };
 
+use crate::backend::cuda::CudaTensor;
 use crate::backend::cuda::{memory, sampling};
-use crate::backend::{Backend, CpuBackend, CudaBackend};
+use crate::backend::{Backend, CpuBackend, CudaBackend, StepCapacity, StepInputs};
 use crate::communicator::ShmCommunicator;
 use crate::config::{AttentionBackend, LoadFormat, ModelConfig};
-use crate::input_batch::InputBatch;
+use crate::cuda_graphs::{CudaGraphs, GraphGeometry, LogitsView};
+use crate::input_batch::{InputBatch, PreparedStep};
 use crate::kv_cache::{bytes_per_block, KvCache};
 use crate::layers::TensorParallel;
 use crate::models::{variant_for, LlamaForCausalLM};
@@ -51,6 +53,9 @@ pub struct WorkerConfig {
     /// collective that a peer does not join within it fails instead of waiting for ever.
     #[serde(default = "vllm_protocol::default_execute_model_timeout_s")]
     pub execute_model_timeout_s: f64,
+    /// CUDA: run every step op by op, capturing no graphs (`--enforce-eager`).
+    #[serde(default)]
+    pub enforce_eager: bool,
 }
 
 /// How this rank joins its tensor-parallel group, from the startup handshake.
@@ -71,6 +76,8 @@ pub struct ModelRunner<B: Backend = CpuBackend> {
     kv_cache: Option<KvCache<B>>,
     batch: InputBatch,
     sampler: Sampler,
+    /// CUDA only: the decode steps' graphs, once captured.
+    graphs: Option<CudaGraphs>,
 }
 
 /// Threads of one CPU rank: `VLLM_CPU_NUM_THREADS`, else the cores shared out among the
@@ -177,6 +184,17 @@ impl<B: Backend> ModelRunner<B> {
             "model loaded"
         );
         let num_kv_heads = tp.local_kv_heads(model_config.num_key_value_heads);
+        // The worst-case dummy step may hold one sequence longer than max_model_len.
+        let longest = max_model_len.max(cfg.max_num_batched_tokens as usize);
+        backend.reserve_steps(
+            StepCapacity {
+                max_num_tokens: cfg.max_num_batched_tokens as usize,
+                max_num_seqs: cfg.max_num_seqs as usize,
+                max_blocks_per_seq: longest.div_ceil(cfg.block_size as usize),
+            },
+            model_config.num_attention_heads / tp.size,
+            num_kv_heads,
+        )?;
         Ok(Self {
             backend,
             cfg: cfg.clone(),
@@ -187,6 +205,7 @@ impl<B: Backend> ModelRunner<B> {
             kv_cache: None,
             batch: InputBatch::default(),
             sampler: Sampler::new(cfg.seed),
+            graphs: None,
         })
     }
 
@@ -261,33 +280,50 @@ impl<B: Backend> ModelRunner<B> {
         Ok(())
     }
 
-    /// The front of every step, whichever sampler follows: applies the scheduler's deltas,
-    /// runs the forward pass, and returns the ids of the requests to sample with their
-    /// logits rows (None when this step samples nothing).
-    fn forward_step(&mut self, so: &SchedulerOutput) -> Result<Option<(Vec<String>, B::Tensor)>> {
+    /// Applies the scheduler's deltas and lays out the step's inputs, checked against the
+    /// KV cache (None for an empty step).
+    fn prepare_step(&mut self, so: &SchedulerOutput) -> Result<Option<PreparedStep>> {
         self.batch.update_states(so)?;
         if so.is_empty() {
             return Ok(None);
         }
         let cache = self
             .kv_cache
-            .as_mut()
+            .as_ref()
             .context("execute_model before initialize_kv_cache")?;
         let step = self.batch.prepare_inputs(so, cache.block_size)?;
-        if let Some(&slot) = step.inputs.slot_mapping.iter().max() {
-            ensure!(
-                (slot as usize) < cache.num_blocks * cache.block_size,
-                "slot {slot} outside the KV cache of {} blocks",
-                cache.num_blocks
-            );
-        }
-        let meta = self.backend.upload_step(&step.inputs)?;
+        step.inputs
+            .check_against_cache(cache.num_blocks, cache.block_size, self.max_model_len)?;
+        Ok(Some(step))
+    }
+
+    /// The front of every step, whichever sampler follows: applies the scheduler's deltas,
+    /// runs the forward pass, and returns the ids of the requests to sample with their
+    /// logits rows (None when this step samples nothing).
+    fn forward_step(&mut self, so: &SchedulerOutput) -> Result<Option<(Vec<String>, B::Tensor)>> {
+        let Some(step) = self.prepare_step(so)? else {
+            return Ok(None);
+        };
+        let logits = self.forward_eager(&step.inputs)?;
+        Ok(logits.map(|l| (step.sampled_req_ids, l)))
+    }
+
+    /// Uploads and runs one step op by op; its logits, None when it samples nothing.
+    fn forward_eager(&mut self, inputs: &StepInputs) -> Result<Option<B::Tensor>> {
+        let cache = self
+            .kv_cache
+            .as_mut()
+            .context("execute_model before initialize_kv_cache")?;
+        let meta = self.backend.upload_step(inputs)?;
         let hidden = self.model.forward(&self.backend, &meta, cache)?;
-        if step.sampled_req_ids.is_empty() {
+        if inputs.logits_indices.is_empty() {
             return Ok(None);
         }
-        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
-        Ok(Some((step.sampled_req_ids, logits)))
+        Ok(Some(self.model.compute_logits(
+            &self.backend,
+            &hidden,
+            &meta,
+        )?))
     }
 
     /// Runs one step and samples a token for every request that completes its sequence.
@@ -367,7 +403,10 @@ impl DeviceRunner {
     pub fn initialize_kv_cache(&mut self, num_blocks: u32) -> Result<()> {
         match self {
             Self::Cpu(r) => r.initialize_kv_cache(num_blocks),
-            Self::Cuda(r) => r.initialize_kv_cache(num_blocks),
+            Self::Cuda(r) => {
+                r.initialize_kv_cache(num_blocks)?;
+                r.capture_cuda_graphs()
+            }
         }
     }
 
@@ -499,6 +538,48 @@ impl ModelRunner<CudaBackend> {
         Ok(())
     }
 
+    /// Captures the decode graphs over the KV cache (unless `--enforce-eager`).
+    pub fn capture_cuda_graphs(&mut self) -> Result<()> {
+        if self.cfg.enforce_eager {
+            tracing::info!("CUDA graphs off (--enforce-eager)");
+            return Ok(());
+        }
+        let cache = self
+            .kv_cache
+            .as_mut()
+            .context("capturing CUDA graphs before the KV cache")?;
+        let geometry = GraphGeometry {
+            max_num_seqs: self.cfg.max_num_seqs as usize,
+            max_model_len: self.max_model_len,
+            block_size: cache.block_size,
+            num_q_heads: self.model_config.num_attention_heads / self.cfg.world_size as usize,
+            num_kv_heads: self.num_kv_heads,
+            num_sms: self.backend.dev.num_sms,
+        };
+        let started = std::time::Instant::now();
+        let graphs = CudaGraphs::capture(
+            &self.backend,
+            &self.model,
+            cache,
+            &geometry,
+            self.model_config.vocab_size,
+        )?;
+        self.backend.dev.synchronize()?;
+        tracing::info!(
+            graphs = graphs.num_graphs(),
+            largest_batch = graphs.largest_batch(),
+            seconds = started.elapsed().as_secs_f32(),
+            "captured CUDA graphs of decode steps"
+        );
+        self.graphs = (graphs.num_graphs() > 0).then_some(graphs);
+        Ok(())
+    }
+
+    /// How many decode graphs were captured (0 when eager).
+    pub fn num_cuda_graphs(&self) -> usize {
+        self.graphs.as_ref().map_or(0, CudaGraphs::num_graphs)
+    }
+
     /// `execute_model` with sampling on the GPU: every parameter (penalties, logit bias,
     /// min_tokens and logprobs too) is applied on the device, so the logits never leave it;
     /// only the tokens and the asked-for logprobs come back.
@@ -508,9 +589,23 @@ impl ModelRunner<CudaBackend> {
             sampled: Vec::new(),
         };
         let started = std::time::Instant::now();
-        let Some((sampled_req_ids, logits)) = self.forward_step(so)? else {
+        let Some(step) = self.prepare_step(so)? else {
             return Ok(output);
         };
+        let graph = self
+            .graphs
+            .as_ref()
+            .and_then(|g| Some((g, g.shape_for(&step.inputs)?)));
+        let logits = match graph {
+            Some((graphs, shape)) => {
+                StepLogits::Graph(graphs.replay(&self.backend, &step.inputs, shape)?)
+            }
+            None => match self.forward_eager(&step.inputs)? {
+                Some(l) => StepLogits::Eager(l),
+                None => return Ok(output),
+            },
+        };
+        let sampled_req_ids = step.sampled_req_ids;
         // The forward pass is only enqueued here; sampling waits for it, so `sample_us`
         // holds the GPU time the host did not hide.
         let enqueued = started.elapsed();
@@ -522,11 +617,28 @@ impl ModelRunner<CudaBackend> {
             step = so.step_id,
             tokens = so.total_num_scheduled_tokens,
             seqs = so.num_scheduled_tokens.len(),
+            graph = matches!(logits, StepLogits::Graph(_)),
             enqueue_us = enqueued.as_micros() as u64,
             sample_us = (started.elapsed() - enqueued).as_micros() as u64,
             "worker step"
         );
         Ok(output)
+    }
+}
+
+/// A CUDA step's logits: its own tensor, or rows of the graphs' output buffer.
+enum StepLogits {
+    Eager(CudaTensor),
+    Graph(LogitsView),
+}
+
+impl std::ops::Deref for StepLogits {
+    type Target = CudaTensor;
+    fn deref(&self) -> &CudaTensor {
+        match self {
+            Self::Eager(t) => t,
+            Self::Graph(v) => v,
+        }
     }
 }
 

@@ -34,6 +34,7 @@ fn worker_config(dir: &Path) -> WorkerConfig {
         load_format: Default::default(),
         attention_backend: Default::default(),
         execute_model_timeout_s: 300.0,
+        enforce_eager: false,
     }
 }
 

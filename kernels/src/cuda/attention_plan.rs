@@ -3,6 +3,12 @@
 //! into tiles (`csrc/attention_prefill.cu` on tensor cores for 16-bit dtypes, the CUDA-core
 //! `csrc/attention.cu` for f32), and how keys are split over blocks when too few blocks
 //! would fill the GPU.
+//!
+//! A step of decodes only gets a *fixed grid*: its partition count depends on the batch's
+//! bucket ([`decode_bucket`]) alone, and only the keys per partition (read by the kernel
+//! from device memory) follow the sequences' lengths. A CUDA graph captured for a bucket
+//! therefore replays any such step, and the eager path runs the very same launches, so
+//! `--enforce-eager` and graphs give identical results.
 
 use anyhow::{ensure, Result};
 
@@ -81,9 +87,76 @@ pub struct AttentionPlan {
     pub decode_seqs: Vec<i32>,
     /// The GQA group rounded up to a power of two: which decode kernel runs.
     pub decode_group: usize,
-    /// Keys per decode partition, and partitions of the longest decode sequence.
+    /// Keys per decode partition, and partitions of the longest decode sequence (the
+    /// grid's partition count, past the longest sequence for a fixed grid).
     pub decode_partition: usize,
     pub decode_partitions: usize,
+    /// The partition the decode kernel's shared memory is sized for: `decode_partition`,
+    /// or the largest partition of a fixed grid.
+    pub decode_smem_partition: usize,
+}
+
+/// The batch sizes CUDA graphs are captured for, and the buckets of the fixed decode
+/// grid: 1, 2, 4, 8, then every multiple of 8 (vLLM's ladder).
+pub fn decode_bucket(num_seqs: usize) -> usize {
+    if num_seqs <= 8 {
+        num_seqs.max(1).next_power_of_two()
+    } else {
+        num_seqs.div_ceil(8) * 8
+    }
+}
+
+/// The fixed decode grid of one bucket: `partitions` blocks per (sequence, kv head), each
+/// covering at most `max_partition` keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeGrid {
+    pub partitions: usize,
+    pub max_partition: usize,
+}
+
+impl DecodeGrid {
+    /// The grid of `bucket` sequences: enough partitions that the blocks fill the SMs
+    /// twice, each up to the longest partition whose shared memory fits without opting in
+    /// (sized for the largest head). None when the GQA group is too wide for the decode
+    /// kernel.
+    pub fn for_bucket(
+        bucket: usize,
+        num_q_heads: usize,
+        num_kv_heads: usize,
+        num_sms: usize,
+    ) -> Option<Self> {
+        let group = num_q_heads / num_kv_heads.max(1);
+        if group == 0 || group > DEC_MAX_GROUP {
+            return None;
+        }
+        let padded_group = group.next_power_of_two();
+        let max_head_dim = HEAD_DIMS[HEAD_DIMS.len() - 1];
+        let mut max_partition = DEC_MAX_PARTITION;
+        while decode_shared_bytes(max_partition, padded_group, max_head_dim) > DEC_MAX_SHARED {
+            max_partition /= 2;
+        }
+        let blocks = bucket.max(1) * num_kv_heads;
+        let partitions = (2 * num_sms.max(1)).div_ceil(blocks).clamp(1, 64);
+        Some(Self {
+            partitions,
+            max_partition,
+        })
+    }
+
+    /// The longest sequence the grid covers.
+    pub fn max_keys(&self) -> usize {
+        self.partitions * self.max_partition
+    }
+
+    /// Keys per partition for a longest sequence of `max_keys`: a power of two from 64
+    /// up, None past the grid's reach.
+    pub fn partition_for(&self, max_keys: usize) -> Option<usize> {
+        let p = max_keys
+            .div_ceil(self.partitions)
+            .max(64)
+            .next_power_of_two();
+        (p <= self.max_partition).then_some(p)
+    }
 }
 
 impl AttentionPlan {
@@ -133,6 +206,7 @@ impl AttentionPlan {
             decode_group: group.next_power_of_two(),
             decode_partition: DEC_PARTITION,
             decode_partitions: 0,
+            decode_smem_partition: DEC_PARTITION,
         };
         let mut max_tile_keys = 0usize;
         let mut max_decode_keys = 0usize;
@@ -164,6 +238,17 @@ impl AttentionPlan {
             (plan.num_splits, plan.split_keys) =
                 cuda_core_splits(plan.num_tiles() * num_kv_heads, max_tile_keys, num_sms);
         }
+        if !plan.decode_seqs.is_empty() && plan.tile_seq.is_empty() {
+            let bucket = decode_bucket(plan.decode_seqs.len());
+            let grid = DecodeGrid::for_bucket(bucket, num_q_heads, num_kv_heads, num_sms);
+            if let Some((grid, p)) = grid.and_then(|g| Some((g, g.partition_for(max_decode_keys)?)))
+            {
+                plan.decode_partition = p;
+                plan.decode_partitions = grid.partitions;
+                plan.decode_smem_partition = grid.max_partition;
+                return Ok(plan);
+            }
+        }
         if !plan.decode_seqs.is_empty() {
             let blocks = plan.decode_seqs.len() * num_kv_heads;
             let mut partition = DEC_PARTITION;
@@ -187,6 +272,7 @@ impl AttentionPlan {
             }
             plan.decode_partition = partition;
             plan.decode_partitions = max_decode_keys.div_ceil(partition).max(1);
+            plan.decode_smem_partition = partition;
         }
         Ok(plan)
     }
@@ -194,7 +280,7 @@ impl AttentionPlan {
     /// Dynamic shared memory of a decode block: the keys' cache offsets, the scores and
     /// the cross-warp reduction.
     pub fn decode_shared_bytes(&self, head_dim: usize) -> usize {
-        decode_shared_bytes(self.decode_partition, self.decode_group, head_dim)
+        decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
     }
 
     /// Index of the decode kernel for `decode_group` (1, 2, 4, 8 → 0..3).
@@ -256,23 +342,69 @@ mod tests {
         assert!(p.decode_seqs.is_empty());
     }
 
+    /// query_start_loc of `decodes` one-token sequences, then one prefill of 4 tokens.
+    fn decodes_and_a_prefill(decodes: usize) -> Vec<i32> {
+        let mut qsl: Vec<i32> = (0..=decodes as i32).collect();
+        qsl.push(decodes as i32 + 4);
+        qsl
+    }
+
     #[test]
     fn long_decode_of_few_sequences_gets_small_partitions() {
-        let p = AttentionPlan::new(&[0, 1], &[8000], 16, 8, 132, FLASH).unwrap();
+        // Beside a prefill the decode partition follows the lengths.
+        let p =
+            AttentionPlan::new(&decodes_and_a_prefill(1), &[8000, 4], 16, 8, 132, FLASH).unwrap();
         assert_eq!(p.decode_seqs, vec![0]);
         assert!(p.decode_partition < DEC_PARTITION);
         assert_eq!(p.decode_partitions, 8000usize.div_ceil(p.decode_partition));
+        assert_eq!(p.decode_smem_partition, p.decode_partition);
         // A batch that fills every SM several times runs each sequence in one block.
-        let qsl: Vec<i32> = (0..=256).collect();
-        let p = AttentionPlan::new(&qsl, &[900; 256], 16, 8, 132, FLASH).unwrap();
+        let qsl = decodes_and_a_prefill(256);
+        let lens = |n: i32| [vec![n; 256], vec![4]].concat();
+        let p = AttentionPlan::new(&qsl, &lens(900), 16, 8, 132, FLASH).unwrap();
         assert_eq!((p.decode_partition, p.decode_partitions), (1024, 1));
         // ... up to DEC_MAX_PARTITION keys.
-        let p = AttentionPlan::new(&qsl, &[9000; 256], 16, 8, 132, FLASH).unwrap();
+        let p = AttentionPlan::new(&qsl, &lens(9000), 16, 8, 132, FLASH).unwrap();
         assert_eq!(p.decode_partition, DEC_MAX_PARTITION);
         // A batch that fills the SMs only about once keeps vLLM's 512.
-        let qsl: Vec<i32> = (0..=40).collect();
-        let p = AttentionPlan::new(&qsl, &[900; 40], 16, 8, 132, FLASH).unwrap();
+        let qsl = decodes_and_a_prefill(40);
+        let lens = [vec![900; 40], vec![4]].concat();
+        let p = AttentionPlan::new(&qsl, &lens, 16, 8, 132, FLASH).unwrap();
         assert_eq!((p.decode_partition, p.decode_partitions), (512, 2));
+    }
+
+    #[test]
+    fn a_decode_only_step_gets_the_fixed_grid_of_its_bucket() {
+        assert_eq!(
+            [1, 2, 3, 5, 8, 9, 17, 256].map(decode_bucket),
+            [1, 2, 4, 8, 8, 16, 24, 256]
+        );
+        let grid = DecodeGrid::for_bucket(1, 16, 8, 132).unwrap();
+        assert_eq!(grid.partitions, 33); // 8 kv heads × 33 ≥ 2 × 132 SMs
+                                         // The grid depends on the bucket only; the partition follows the longest sequence.
+        for (n, len) in [(1usize, 8000), (1, 100), (1, 1)] {
+            let qsl: Vec<i32> = (0..=n as i32).collect();
+            let p = AttentionPlan::new(&qsl, &vec![len; n], 16, 8, 132, FLASH).unwrap();
+            assert_eq!(p.decode_partitions, grid.partitions, "len {len}");
+            assert_eq!(p.decode_smem_partition, grid.max_partition);
+            assert!(p.decode_partition * p.decode_partitions >= len as usize);
+            assert!(p.decode_partition >= 64 && p.decode_partition.is_power_of_two());
+        }
+        // 3 sequences share bucket 4's grid with 4 sequences.
+        let three = AttentionPlan::new(&[0, 1, 2, 3], &[50, 700, 9], 16, 8, 132, FLASH).unwrap();
+        let four =
+            AttentionPlan::new(&[0, 1, 2, 3, 4], &[50, 700, 9, 1], 16, 8, 132, FLASH).unwrap();
+        assert_eq!(
+            (three.decode_partition, three.decode_partitions),
+            (four.decode_partition, four.decode_partitions)
+        );
+        // Past the grid's reach the partition follows the lengths again.
+        let qsl: Vec<i32> = (0..=256).collect();
+        let grid = DecodeGrid::for_bucket(256, 16, 8, 132).unwrap();
+        let long = grid.max_keys() as i32 + 1;
+        let p = AttentionPlan::new(&qsl, &[long; 256], 16, 8, 132, FLASH).unwrap();
+        assert!(p.decode_partitions * p.decode_partition >= long as usize);
+        assert_eq!(p.decode_smem_partition, p.decode_partition);
     }
 
     #[test]

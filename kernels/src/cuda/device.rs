@@ -1,7 +1,8 @@
 //! `CudaDevice`: one GPU's context and the single stream every op of this process runs on,
 //! plus the memory facts the KV-cache sizing needs.
 //!
-//! One stream means every op is ordered by the stream itself, so cudarc's per-buffer event
+//! One stream (created here, non-blocking: the legacy default stream cannot be captured
+//! into a CUDA graph) means every op is ordered by the stream itself, so cudarc's per-buffer event
 //! tracking (made for several streams) is turned off: it would record events on every
 //! launch for nothing. Allocations are stream-ordered (`cuMemAllocAsync`) from the
 //! device's default pool, which is told to keep freed memory rather than return it at
@@ -52,7 +53,11 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("creating a context", e))?;
         // SAFETY: this process uses one stream only (see the module docs).
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own, not the legacy default stream: CUDA graphs cannot be
+        // captured on that one.
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error("creating a stream", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
         let compute_capability = ctx
             .compute_capability()

@@ -14,7 +14,12 @@ pub struct Gemm {
     blas: CudaBlas,
     stream: Arc<CudaStream>,
     dtype: DType,
+    /// cuBLAS's workspace, ours for the handle's lifetime: a GEMM captured into a CUDA
+    /// graph must not allocate (cuBLAS asks for 32 MiB on Hopper).
+    _workspace: CudaSlice<u8>,
 }
+
+const WORKSPACE_BYTES: usize = 32 << 20;
 
 fn data_type(dtype: DType) -> cs::cudaDataType {
     match dtype {
@@ -28,10 +33,22 @@ impl Gemm {
     pub fn new(stream: Arc<CudaStream>, dtype: DType) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| anyhow!("cuBLAS: creating a handle failed: {e:?}"))?;
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(|e| anyhow!("allocating the cuBLAS workspace failed: {e:?}"))?;
+        {
+            let (p, _g) = workspace.device_ptr(&stream);
+            // SAFETY: a live buffer of WORKSPACE_BYTES on the handle's stream, kept as
+            // long as the handle (both are fields of `Gemm`).
+            unsafe { cs::cublasSetWorkspace_v2(*blas.handle(), p as *mut _, WORKSPACE_BYTES) }
+                .result()
+                .map_err(|e| anyhow!("cuBLAS: setting the workspace failed: {e:?}"))?;
+        }
         Ok(Self {
             blas,
             stream,
             dtype,
+            _workspace: workspace,
         })
     }
 

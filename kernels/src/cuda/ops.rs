@@ -55,6 +55,9 @@ pub struct AttentionMeta<'a> {
     pub tile_seq: &'a CudaSlice<i32>,
     pub tile_token: &'a CudaSlice<i32>,
     pub decode_seqs: &'a CudaSlice<i32>,
+    /// One i32: the plan's `decode_partition`, on the device (the decode kernel reads it
+    /// there, so that a captured graph's replays may change it).
+    pub decode_partition: &'a CudaSlice<i32>,
     pub plan: &'a AttentionPlan,
 }
 
@@ -82,12 +85,12 @@ struct DecodeArgs {
     out: u64,
     part_o: u64,
     part_ml: u64,
+    partition: u64,
     num_decode: i32,
     num_q_heads: i32,
     num_kv_heads: i32,
     block_size: i32,
     max_blocks_per_seq: i32,
-    partition: i32,
     scale: f32,
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
@@ -629,6 +632,7 @@ impl CudaOps {
         Self::check_ints(meta.tile_seq, plan.num_tiles(), "tile_seq")?;
         Self::check_ints(meta.tile_token, plan.num_tiles(), "tile_token")?;
         Self::check_ints(meta.decode_seqs, plan.decode_seqs.len(), "decode_seqs")?;
+        Self::check_ints(meta.decode_partition, 1, "decode_partition")?;
         let caches = AttentionCaches {
             q,
             key_cache,
@@ -692,6 +696,7 @@ impl CudaOps {
             let (sl_p, _g4) = meta.seq_lens.device_ptr(s);
             let (qs_p, _g5) = meta.query_start_loc.device_ptr(s);
             let (ds_p, _g6) = meta.decode_seqs.device_ptr(s);
+            let (dp_p, _g10) = meta.decode_partition.device_ptr(s);
             let (out_p, _g7) = out.device_ptr(s);
             let (po_p, _g8) = part_o.as_ref().map(|p| p.device_ptr(s)).unzip();
             let (pm_p, _g9) = part_ml.as_ref().map(|p| p.device_ptr(s)).unzip();
@@ -706,12 +711,12 @@ impl CudaOps {
                 out: out_p,
                 part_o: po_p.unwrap_or(0),
                 part_ml: pm_p.unwrap_or(0),
+                partition: dp_p,
                 num_decode: i32_of(num_decode, "decode sequences")?,
                 num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
                 num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
                 block_size: i32_of(dims.block_size, "block_size")?,
                 max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
-                partition: i32_of(plan.decode_partition, "decode partition")?,
                 scale: c.scale,
             };
             let cfg = LaunchConfig {

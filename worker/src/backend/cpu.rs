@@ -16,7 +16,7 @@ use vllm_kernels::cpu as k;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cpu::fast::{self, Isa, PackedMatrix, ThreadPool};
 
-use super::{Backend, StepMetadata};
+use super::{Backend, StepCapacity, StepInputs, StepMetadata};
 use crate::communicator::{Communicator, ShmCommunicator};
 use crate::weights::{DType, HostTensor, WeightTensor};
 
@@ -136,6 +136,7 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Ints = Vec<i32>;
+    type StepPlan = ();
 
     fn device_name(&self) -> String {
         "cpu".to_string()
@@ -172,8 +173,24 @@ impl Backend for CpuBackend {
             _ => Ok(CpuTensor::new(w.shape.clone(), w.to_f32())),
         }
     }
-    fn upload_ints(&self, data: &[i32]) -> Result<Vec<i32>> {
-        Ok(data.to_vec())
+    /// The CPU keeps nothing per step.
+    fn reserve_steps(&self, _: StepCapacity, _: usize, _: usize) -> Result<()> {
+        Ok(())
+    }
+    fn upload_step(&self, inputs: &StepInputs) -> Result<StepMetadata<Self>> {
+        Ok(StepMetadata {
+            plan: (),
+            input_ids: inputs.input_ids.clone(),
+            positions: inputs.positions.clone(),
+            slot_mapping: inputs.slot_mapping.clone(),
+            block_tables: inputs.block_tables.clone(),
+            seq_lens: inputs.seq_lens.clone(),
+            query_start_loc: inputs.query_start_loc.clone(),
+            logits_indices: inputs.logits_indices.clone(),
+            num_tokens: inputs.num_tokens(),
+            num_seqs: inputs.num_seqs(),
+            max_blocks_per_seq: inputs.max_blocks_per_seq,
+        })
     }
     fn to_host(&self, t: &CpuTensor) -> Result<HostTensor> {
         let data = match t.packed() {

@@ -2,8 +2,10 @@
 //!
 //! Model code is written once against this trait and never touches elements; the CPU
 //! backend (`cpu.rs`) runs the fast CPU kernels (or the f32 reference kernels), the CUDA
-//! backend (`cuda/`) implements the same ops with its own kernels. Per-step metadata (`StepInputs`) is uploaded once per
-//! step as small i32 tensors (`StepMetadata`) that every layer reads.
+//! backend (`cuda/`) implements the same ops with its own kernels. Per-step metadata
+//! (`StepInputs`) is uploaded once per step as small i32 tensors (`StepMetadata`) that
+//! every layer reads, with whatever the backend plans for the step (the CUDA backend's
+//! attention plan).
 
 pub mod cpu;
 pub mod cuda;
@@ -44,10 +46,44 @@ impl StepInputs {
     pub fn num_seqs(&self) -> usize {
         self.seq_lens.len()
     }
+
+    /// Every slot and block lies inside a KV cache of `num_blocks` blocks, and every
+    /// position inside the context: what a kernel indexes with them, checked before any
+    /// launch (a replayed CUDA graph checks nothing itself).
+    pub fn check_against_cache(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        max_model_len: usize,
+    ) -> Result<()> {
+        let num_slots = num_blocks * block_size;
+        if let Some(&slot) = self.slot_mapping.iter().find(|&&s| s >= num_slots as i32) {
+            anyhow::bail!("slot {slot} outside the KV cache of {num_blocks} blocks");
+        }
+        if let Some(&b) = self
+            .block_tables
+            .iter()
+            .find(|&&b| b < 0 || b >= num_blocks as i32)
+        {
+            anyhow::bail!("block {b} outside the KV cache of {num_blocks} blocks");
+        }
+        check_rotary_positions(&self.positions, max_model_len)
+    }
+}
+
+/// The largest step a backend is asked to hold (its step buffers' size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepCapacity {
+    pub max_num_tokens: usize,
+    pub max_num_seqs: usize,
+    /// Block-table entries per sequence: `max_model_len / block_size`, rounded up.
+    pub max_blocks_per_seq: usize,
 }
 
 /// `StepInputs` on the device, uploaded once per step.
 pub struct StepMetadata<B: Backend + ?Sized> {
+    /// The backend's plan of this step (`()` on the CPU).
+    pub plan: B::StepPlan,
     pub input_ids: B::Ints,
     pub positions: B::Ints,
     pub slot_mapping: B::Ints,
@@ -68,6 +104,8 @@ pub trait Backend {
     type Tensor;
     /// A small i32 tensor of step metadata.
     type Ints;
+    /// What the backend works out once per step for every layer (the CUDA attention plan).
+    type StepPlan;
 
     /// Device name reported to the engine ("cpu", "cuda:0").
     fn device_name(&self) -> String;
@@ -84,24 +122,19 @@ pub trait Backend {
     /// A model weight in its checkpoint dtype: uploaded as is when it is the backend's
     /// dtype, else converted (in parallel) on the way.
     fn upload_weight(&self, w: &WeightTensor) -> Result<Self::Tensor>;
-    fn upload_ints(&self, data: &[i32]) -> Result<Self::Ints>;
     fn to_host(&self, t: &Self::Tensor) -> Result<HostTensor>;
 
-    /// Uploads one step's metadata.
-    fn upload_step(&self, inputs: &StepInputs) -> Result<StepMetadata<Self>> {
-        Ok(StepMetadata {
-            input_ids: self.upload_ints(&inputs.input_ids)?,
-            positions: self.upload_ints(&inputs.positions)?,
-            slot_mapping: self.upload_ints(&inputs.slot_mapping)?,
-            block_tables: self.upload_ints(&inputs.block_tables)?,
-            seq_lens: self.upload_ints(&inputs.seq_lens)?,
-            query_start_loc: self.upload_ints(&inputs.query_start_loc)?,
-            logits_indices: self.upload_ints(&inputs.logits_indices)?,
-            num_tokens: inputs.num_tokens(),
-            num_seqs: inputs.num_seqs(),
-            max_blocks_per_seq: inputs.max_blocks_per_seq,
-        })
-    }
+    /// Sizes whatever the backend keeps per step for steps up to `capacity`, planned for
+    /// this rank's `num_q_heads` and `num_kv_heads` (the CUDA step buffers); called once,
+    /// before the first step.
+    fn reserve_steps(
+        &self,
+        capacity: StepCapacity,
+        num_q_heads: usize,
+        num_kv_heads: usize,
+    ) -> Result<()>;
+    /// Uploads one step's metadata; it stays valid until the next step is uploaded.
+    fn upload_step(&self, inputs: &StepInputs) -> Result<StepMetadata<Self>>;
 
     /// One layer's K or V cache, NaN-free but uninitialised in meaning.
     fn alloc_kv_cache(

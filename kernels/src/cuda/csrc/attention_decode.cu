@@ -29,12 +29,14 @@ struct DecodeArgs {
     scalar_t* out;              // [T, Hq, D]                     (num_partitions == 1)
     float* part_o;              // [partitions, num_decode, Hq, D] (num_partitions > 1)
     float* part_ml;             // [partitions, num_decode, Hq, 2]
+    // Keys per partition, read from device memory: a captured CUDA graph keeps its grid
+    // (the partition count) while each replay picks the partition for its longest sequence.
+    const int* partition;
     int num_decode;
     int num_q_heads;
     int num_kv_heads;
     int block_size;
     int max_blocks_per_seq;
-    int partition;              // keys per partition
     float scale;
 };
 
@@ -61,11 +63,12 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     constexpr int TG = D / 8;               // lanes per key
     constexpr int NG = DEC_THREADS / TG;    // keys per block per step
     extern __shared__ long long dec_smem[];
+    const int partition = *a.partition;
     // The cache offset of every key of the partition, looked up once: without it each K
     // and V load waits first for its block-table read.
     long long* slots = dec_smem;                                       // [partition]
-    float* scores = reinterpret_cast<float*>(dec_smem + a.partition);  // [GP][partition]
-    float* red = scores + GP * a.partition;                            // [DEC_WARPS][GP][D]
+    float* scores = reinterpret_cast<float*>(dec_smem + partition);  // [GP][partition]
+    float* red = scores + GP * partition;                            // [DEC_WARPS][GP][D]
     __shared__ float s_max[DEC_WARPS][GP];
     __shared__ float s_sum[DEC_WARPS][GP];
 
@@ -76,8 +79,8 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     const int token = a.query_start_loc[seq];
     const int seq_len = a.seq_lens[seq];
     const int g = a.num_q_heads / a.num_kv_heads;
-    const int k_begin = part * a.partition;
-    const int k_end = min(seq_len, k_begin + a.partition);
+    const int k_begin = part * partition;
+    const int k_end = min(seq_len, k_begin + partition);
     const long long q_row0 = (long long)token * a.num_q_heads + (long long)kvh * g;
     // Partial rows are indexed by decode sequence, not by token.
     const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
@@ -141,7 +144,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
                 for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
                 if (k < k_end) {
                     m[h] = fmaxf(m[h], dot);
-                    if (sub == 0) scores[h * a.partition + (k - k_begin)] = dot;
+                    if (sub == 0) scores[h * partition + (k - k_begin)] = dot;
                 }
             }
         }
@@ -166,8 +169,8 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         m[h] = mh;
         float s = 0.f;
         for (int k = tid; k < n_keys; k += DEC_THREADS) {
-            const float p = __expf(scores[h * a.partition + k] - mh);
-            scores[h * a.partition + k] = p;
+            const float p = __expf(scores[h * partition + k] - mh);
+            scores[h * partition + k] = p;
             s += p;
         }
         l_part[h] = warp_sum(s);
@@ -197,7 +200,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
 #pragma unroll
             for (int h = 0; h < GP; ++h) {
                 if (h >= g) break;
-                const float p = scores[h * a.partition + (k - k_begin)];
+                const float p = scores[h * partition + (k - k_begin)];
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[h][e] += p * vf[u][e];
             }

@@ -9,24 +9,24 @@
 
 pub mod memory;
 pub mod sampling;
+pub mod step_buffers;
 pub mod tensor;
 
 #[cfg(test)]
 mod tests;
 
-use std::cell::{Cell, OnceCell};
+use std::cell::{Cell, RefCell};
 
 use anyhow::{bail, ensure, Context, Result};
-use cudarc::driver::CudaSlice;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType, Gemm,
 };
 
-use tensor::DevicePlan;
-pub use tensor::{CudaInts, CudaTensor};
+use step_buffers::StepBuffers;
+pub use tensor::{CudaInts, CudaTensor, DevicePlan};
 
-use super::{Backend, StepMetadata};
+use super::{Backend, StepCapacity, StepInputs, StepMetadata};
 use crate::communicator::{Communicator, NcclCommunicator};
 use crate::sampler::seeded_uniform;
 use crate::weights::{DummyRegion, HostTensor, WeightTensor};
@@ -47,6 +47,15 @@ pub struct CudaBackend {
     unseeded_draws: Cell<u64>,
     /// The tensor-parallel group; `None` at world size 1.
     comm: Option<NcclCommunicator>,
+    /// Where steps are staged, once `reserve_steps` has sized them.
+    steps: RefCell<Option<StepSetup>>,
+}
+
+/// The step buffers and the (local) attention heads every step is planned for.
+struct StepSetup {
+    buffers: StepBuffers,
+    num_q_heads: usize,
+    num_kv_heads: usize,
 }
 
 impl CudaBackend {
@@ -64,7 +73,13 @@ impl CudaBackend {
             attention: AttentionKernels::flash(dtype != DType::F32),
             unseeded_draws: Cell::new(0),
             comm: None,
+            steps: RefCell::new(None),
         })
+    }
+
+    /// The capacity of the step buffers (None before `reserve_steps`).
+    pub fn step_capacity(&self) -> Option<StepCapacity> {
+        self.steps.borrow().as_ref().map(|s| s.buffers.capacity())
     }
 
     /// Joins the tensor-parallel group of `unique_id` as `rank` of `world_size`; blocks
@@ -106,41 +121,6 @@ impl CudaBackend {
         let buf = self.ops.alloc(shape.iter().product())?;
         Ok(CudaTensor { shape, buf })
     }
-
-    /// Copies i32 metadata to the device (at least one element: empty buffers are not
-    /// allocatable).
-    pub fn upload_i32(&self, data: &[i32]) -> Result<CudaSlice<i32>> {
-        self.ops.upload_padded(data, 0)
-    }
-
-    /// The attention plan of this step, built by the first layer and reused by the rest.
-    fn attention_plan<'a>(
-        &self,
-        meta: &'a StepMetadata<Self>,
-        shape: &PagedAttentionShape,
-        num_cache_blocks: usize,
-    ) -> Result<&'a DevicePlan> {
-        let cell: &OnceCell<DevicePlan> = &meta.query_start_loc.attention_plan;
-        if let Some(p) = cell.get() {
-            return Ok(p);
-        }
-        check_block_tables(meta, shape, num_cache_blocks)?;
-        let plan = AttentionPlan::new(
-            &meta.query_start_loc.host,
-            &meta.seq_lens.host,
-            shape.num_q_heads,
-            shape.num_kv_heads,
-            self.dev.num_sms,
-            self.attention,
-        )?;
-        let dp = DevicePlan {
-            tile_seq: self.upload_i32(&plan.tile_seq)?,
-            tile_token: self.upload_i32(&plan.tile_token)?,
-            decode_seqs: self.upload_i32(&plan.decode_seqs)?,
-            plan,
-        };
-        Ok(cell.get_or_init(|| dp))
-    }
 }
 
 /// Every block a sequence reads lies inside the pool, and every row is long enough.
@@ -149,6 +129,9 @@ fn check_block_tables(
     shape: &PagedAttentionShape,
     num_cache_blocks: usize,
 ) -> Result<()> {
+    if meta.plan.blocks_checked.get() == Some(num_cache_blocks) {
+        return Ok(());
+    }
     let width = shape.max_blocks_per_seq;
     ensure!(
         meta.block_tables.host.len() == meta.num_seqs * width,
@@ -170,6 +153,7 @@ fn check_block_tables(
             bail!("sequence {s}: block {b} outside the KV cache of {num_cache_blocks} blocks");
         }
     }
+    meta.plan.blocks_checked.set(Some(num_cache_blocks));
     Ok(())
 }
 
@@ -229,6 +213,7 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Ints = CudaInts;
+    type StepPlan = DevicePlan;
 
     fn device_name(&self) -> String {
         format!("cuda:{}", self.dev.ordinal)
@@ -259,11 +244,64 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn upload_ints(&self, data: &[i32]) -> Result<CudaInts> {
-        Ok(CudaInts {
-            dev: self.upload_i32(data)?,
-            host: data.to_vec(),
-            attention_plan: OnceCell::new(),
+    /// Allocates the step buffers for steps up to `capacity`, planned for this rank's
+    /// attention heads. Steps are uploaded one at a time: each overwrites the last one's
+    /// arrays, so a `StepMetadata` is dead once the next step is uploaded.
+    fn reserve_steps(
+        &self,
+        capacity: StepCapacity,
+        num_q_heads: usize,
+        num_kv_heads: usize,
+    ) -> Result<()> {
+        let buffers = StepBuffers::new(&self.dev.stream, capacity)?;
+        *self.steps.borrow_mut() = Some(StepSetup {
+            buffers,
+            num_q_heads,
+            num_kv_heads,
+        });
+        Ok(())
+    }
+
+    /// Plans the step's attention and stages everything in the step buffers: one copy.
+    fn upload_step(&self, inputs: &StepInputs) -> Result<StepMetadata<Self>> {
+        let mut setup = self.steps.borrow_mut();
+        let setup = setup
+            .as_mut()
+            .context("the CUDA backend runs a step only after reserve_steps")?;
+        let heads = (setup.num_q_heads, setup.num_kv_heads);
+        let plan = AttentionPlan::new(
+            &inputs.query_start_loc,
+            &inputs.seq_lens,
+            heads.0,
+            heads.1,
+            self.dev.num_sms,
+            self.attention,
+        )?;
+        let staged = setup.buffers.stage(inputs, &plan)?;
+        let ints = |dev, host: &[i32]| CudaInts {
+            dev,
+            host: host.to_vec(),
+        };
+        Ok(StepMetadata {
+            plan: DevicePlan {
+                plan,
+                heads,
+                tile_seq: staged.tile_seq,
+                tile_token: staged.tile_token,
+                decode_seqs: staged.decode_seqs,
+                decode_partition: staged.decode_partition,
+                blocks_checked: Cell::new(None),
+            },
+            input_ids: ints(staged.input_ids, &inputs.input_ids),
+            positions: ints(staged.positions, &inputs.positions),
+            slot_mapping: ints(staged.slot_mapping, &inputs.slot_mapping),
+            block_tables: ints(staged.block_tables, &inputs.block_tables),
+            seq_lens: ints(staged.seq_lens, &inputs.seq_lens),
+            query_start_loc: ints(staged.query_start_loc, &inputs.query_start_loc),
+            logits_indices: ints(staged.logits_indices, &inputs.logits_indices),
+            num_tokens: inputs.num_tokens(),
+            num_seqs: inputs.num_seqs(),
+            max_blocks_per_seq: inputs.max_blocks_per_seq,
         })
     }
 
@@ -486,7 +524,15 @@ impl Backend for CudaBackend {
             "paged_attention: q {:?} for {num_tokens} tokens",
             q.shape
         );
-        let dp = self.attention_plan(meta, shape, key_cache.shape[0])?;
+        let dp = &meta.plan;
+        ensure!(
+            dp.heads == (shape.num_q_heads, shape.num_kv_heads),
+            "paged_attention: {}/{} heads, the step was planned for {:?}",
+            shape.num_q_heads,
+            shape.num_kv_heads,
+            dp.heads
+        );
+        check_block_tables(meta, shape, key_cache.shape[0])?;
         let mut out = self.tensor(vec![num_tokens, shape.num_q_heads * shape.head_dim])?;
         let am = AttentionMeta {
             block_tables: &meta.block_tables.dev,
@@ -496,6 +542,7 @@ impl Backend for CudaBackend {
             tile_seq: &dp.tile_seq,
             tile_token: &dp.tile_token,
             decode_seqs: &dp.decode_seqs,
+            decode_partition: &dp.decode_partition,
             plan: &dp.plan,
         };
         let dims = AttentionDims {

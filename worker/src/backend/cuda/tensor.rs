@@ -1,11 +1,13 @@
 //! The CUDA backend's tensor handles: `CudaTensor` (a device buffer of the backend's dtype
-//! with its shape) and `CudaInts` (step metadata on the device, with the host copy the
-//! backend validates against and plans attention launches from).
+//! with its shape), `CudaInts` (step metadata in the step buffers, with the host copy the
+//! backend validates against) and `DevicePlan` (the step's attention plan, on both sides).
 
-use std::cell::OnceCell;
+use std::cell::Cell;
 
 use cudarc::driver::CudaSlice;
 use vllm_kernels::cuda::AttentionPlan;
+
+use super::step_buffers::DeviceInts;
 
 /// A row-major tensor of the backend's dtype; `shape[0]` is rows, the rest is columns.
 pub struct CudaTensor {
@@ -25,19 +27,22 @@ impl CudaTensor {
     }
 }
 
-/// An attention plan with its tile tables on the device.
+/// A step's attention plan (the same for every layer) with its tables on the device.
 pub struct DevicePlan {
     pub plan: AttentionPlan,
-    pub tile_seq: CudaSlice<i32>,
-    pub tile_token: CudaSlice<i32>,
-    pub decode_seqs: CudaSlice<i32>,
+    /// The (q, kv) heads the plan was made for.
+    pub heads: (usize, usize),
+    pub tile_seq: DeviceInts,
+    pub tile_token: DeviceInts,
+    pub decode_seqs: DeviceInts,
+    pub decode_partition: DeviceInts,
+    /// The KV cache size the block tables were last checked against (once per step, not
+    /// per layer).
+    pub blocks_checked: Cell<Option<usize>>,
 }
 
 /// Small i32 metadata: the device copy the kernels read and the host copy it came from.
 pub struct CudaInts {
-    pub dev: CudaSlice<i32>,
+    pub dev: DeviceInts,
     pub host: Vec<i32>,
-    /// Filled by the first attention layer of a step (on `query_start_loc`) and reused by
-    /// the others: the plan is the same for every layer.
-    pub attention_plan: OnceCell<DevicePlan>,
 }

@@ -1,0 +1,390 @@
+//! `CudaGraphs`: decode steps replayed from CUDA graphs (vLLM's CUDA graph runner).
+//!
+//! After the KV cache is allocated, one graph is captured per batch size of the ladder
+//! (`decode_bucket`: 1, 2, 4, 8, then steps of 8 up to `--max-num-seqs`), each the whole
+//! forward pass of a step of that many one-token sequences, its logits copied into one
+//! output buffer that every graph shares. A later step of decodes only is padded to the
+//! smallest size that fits, staged in the step buffers (whose addresses the graph baked
+//! in) and replayed with one launch instead of hundreds. Steps with prefill tokens, longer
+//! sequences than a graph's attention grid reaches, or more sequences than the largest
+//! graph run eagerly.
+//!
+//! A padded sequence has one key (slot 0 of block 0, never written: its slot is -1), so
+//! its rows stay finite; its logits are never read.
+
+use std::collections::BTreeMap;
+use std::ops::Deref;
+
+use anyhow::{Context, Result};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaGraph;
+use vllm_kernels::cuda::attention_plan::{decode_bucket, DecodeGrid};
+
+use crate::backend::cuda::CudaTensor;
+use crate::backend::{Backend, CudaBackend, StepInputs};
+use crate::kv_cache::KvCache;
+use crate::models::LlamaForCausalLM;
+
+/// What a graph of one batch size was captured for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphShape {
+    /// Sequences (one token each).
+    pub batch: usize,
+    /// Block-table entries per sequence, baked into the attention launch.
+    pub blocks_per_seq: usize,
+    /// The longest sequence the attention grid reaches.
+    pub max_seq_len: usize,
+}
+
+/// The model facts the graph shapes follow from.
+#[derive(Debug, Clone, Copy)]
+pub struct GraphGeometry {
+    pub max_num_seqs: usize,
+    pub max_model_len: usize,
+    pub block_size: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub num_sms: usize,
+}
+
+impl GraphGeometry {
+    /// The shape of every graph to capture, largest first; empty when the decode kernel
+    /// does not take this model's GQA group.
+    pub fn shapes(&self) -> Vec<GraphShape> {
+        let mut batches: Vec<usize> = Vec::new();
+        let mut n = 1;
+        while n <= self.max_num_seqs {
+            batches.push(n);
+            n = decode_bucket(n + 1);
+        }
+        batches
+            .into_iter()
+            .rev()
+            .filter_map(|batch| {
+                let grid = DecodeGrid::for_bucket(
+                    batch,
+                    self.num_q_heads,
+                    self.num_kv_heads,
+                    self.num_sms,
+                )?;
+                let max_seq_len = grid.max_keys().min(self.max_model_len);
+                Some(GraphShape {
+                    batch,
+                    blocks_per_seq: max_seq_len.div_ceil(self.block_size),
+                    max_seq_len,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The graph shape that replays `inputs`, if one does: decodes only, every sequence
+/// sampled, no more sequences than the largest graph and none longer than its grid.
+pub fn shape_for(shapes: &[GraphShape], inputs: &StepInputs) -> Option<GraphShape> {
+    let n = inputs.num_seqs();
+    let decodes_only = n > 0
+        && inputs.num_tokens() == n
+        && inputs
+            .query_start_loc
+            .iter()
+            .enumerate()
+            .all(|(i, &q)| q == i as i32)
+        && inputs
+            .logits_indices
+            .iter()
+            .enumerate()
+            .all(|(i, &r)| r == i as i32)
+        && inputs.logits_indices.len() == n;
+    if !decodes_only {
+        return None;
+    }
+    let longest = inputs.seq_lens.iter().copied().max().unwrap_or(0).max(0) as usize;
+    // Shapes are largest first: the last that fits is the smallest.
+    shapes
+        .iter()
+        .rev()
+        .find(|s| s.batch >= n && s.max_seq_len >= longest)
+        .copied()
+}
+
+/// `inputs` (decodes only) padded to `shape`: extra sequences of one key whose K/V are
+/// not written, block tables widened to the graph's row width.
+pub fn pad_decode_step(inputs: &StepInputs, shape: GraphShape) -> StepInputs {
+    let (n, b, w) = (inputs.num_seqs(), shape.batch, shape.blocks_per_seq);
+    let pad = |v: &[i32], fill: i32| {
+        let mut out = v.to_vec();
+        out.resize(b, fill);
+        out
+    };
+    let mut block_tables = vec![0; b * w];
+    let old_w = inputs.max_blocks_per_seq;
+    for s in 0..n {
+        let row = &inputs.block_tables[s * old_w..(s + 1) * old_w];
+        let used = row.len().min(w);
+        block_tables[s * w..s * w + used].copy_from_slice(&row[..used]);
+    }
+    StepInputs {
+        input_ids: pad(&inputs.input_ids, 0),
+        positions: pad(&inputs.positions, 0),
+        slot_mapping: pad(&inputs.slot_mapping, -1),
+        block_tables,
+        max_blocks_per_seq: w,
+        seq_lens: pad(&inputs.seq_lens, 1),
+        query_start_loc: (0..=b as i32).collect(),
+        logits_indices: (0..b as i32).collect(),
+    }
+}
+
+/// A step of `batch` one-token sequences of one key each, the input a graph is captured
+/// on.
+fn capture_step(shape: GraphShape) -> StepInputs {
+    let empty = StepInputs {
+        max_blocks_per_seq: 1,
+        block_tables: Vec::new(),
+        ..Default::default()
+    };
+    pad_decode_step(&empty, shape)
+}
+
+/// The first `rows` rows of the graphs' output buffer, as a tensor; dropping it leaves
+/// the buffer alone.
+pub struct LogitsView(Option<CudaTensor>);
+
+impl Deref for LogitsView {
+    type Target = CudaTensor;
+    fn deref(&self) -> &CudaTensor {
+        // Only `drop` empties it.
+        self.0.as_ref().expect("LogitsView used after drop")
+    }
+}
+
+impl Drop for LogitsView {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            // The memory is the graphs' output buffer: release the handle only.
+            let _ = t.buf.leak();
+        }
+    }
+}
+
+pub struct CudaGraphs {
+    /// Largest first, as `GraphGeometry::shapes` gives them.
+    shapes: Vec<GraphShape>,
+    graphs: BTreeMap<usize, CudaGraph>,
+    /// [largest batch, vocab]: every graph writes its logits here.
+    logits: CudaTensor,
+}
+
+impl CudaGraphs {
+    /// Captures a graph of every shape of `geometry` over `cache` (largest first, so
+    /// that the smaller graphs fit in the memory the larger ones used).
+    pub fn capture(
+        b: &CudaBackend,
+        model: &LlamaForCausalLM<CudaBackend>,
+        cache: &mut KvCache<CudaBackend>,
+        geometry: &GraphGeometry,
+        vocab: usize,
+    ) -> Result<Self> {
+        let shapes = geometry.shapes();
+        let largest = shapes.first().map_or(0, |s| s.batch);
+        let shape = vec![largest.max(1), vocab];
+        let mut logits = CudaTensor {
+            buf: b.ops.alloc_zeros(shape.iter().product())?,
+            shape,
+        };
+        let mut graphs = BTreeMap::new();
+        for &shape in &shapes {
+            let graph = capture_one(b, model, cache, shape, &mut logits).with_context(|| {
+                format!(
+                    "capturing the CUDA graph of {} sequences (--enforce-eager runs without)",
+                    shape.batch
+                )
+            })?;
+            graphs.insert(shape.batch, graph);
+        }
+        Ok(Self {
+            shapes,
+            graphs,
+            logits,
+        })
+    }
+
+    pub fn num_graphs(&self) -> usize {
+        self.graphs.len()
+    }
+
+    pub fn largest_batch(&self) -> usize {
+        self.shapes.first().map_or(0, |s| s.batch)
+    }
+
+    /// The graph shape that replays this step, if any.
+    pub fn shape_for(&self, inputs: &StepInputs) -> Option<GraphShape> {
+        shape_for(&self.shapes, inputs)
+    }
+
+    /// Replays the graph of `shape` on `inputs` padded to it; the logits of the step's
+    /// sequences, in order.
+    pub fn replay(
+        &self,
+        b: &CudaBackend,
+        inputs: &StepInputs,
+        shape: GraphShape,
+    ) -> Result<LogitsView> {
+        let graph = self
+            .graphs
+            .get(&shape.batch)
+            .context("no CUDA graph of this size")?;
+        // Staged where the graph reads: the metadata handles are not needed past this.
+        drop(b.upload_step(&pad_decode_step(inputs, shape))?);
+        graph
+            .launch()
+            .map_err(|e| anyhow::anyhow!("CUDA driver: launching a graph failed: {e:?}"))?;
+        let (rows, vocab) = (inputs.num_seqs(), self.logits.cols());
+        let (ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&self.logits.buf, &b.dev.stream);
+        // SAFETY: the first `rows` rows of `logits`, which outlives every view (the runner
+        // drops the view before the next step).
+        let buf = unsafe {
+            b.dev
+                .stream
+                .upgrade_device_ptr::<u8>(ptr, rows * vocab * b.dtype().size())
+        };
+        Ok(LogitsView(Some(CudaTensor {
+            shape: vec![rows, vocab],
+            buf,
+        })))
+    }
+}
+
+/// Captures one forward pass of `shape`'s capture step, its logits copied into `out`.
+fn capture_one(
+    b: &CudaBackend,
+    model: &LlamaForCausalLM<CudaBackend>,
+    cache: &mut KvCache<CudaBackend>,
+    shape: GraphShape,
+    out: &mut CudaTensor,
+) -> Result<CudaGraph> {
+    let meta = b.upload_step(&capture_step(shape))?;
+    // One eager run first: whatever a first call sets up (cuBLAS's heuristics, the
+    // stream-ordered pool) happens outside the capture.
+    drop(model.compute_logits(b, &model.forward(b, &meta, cache)?, &meta)?);
+    let stream = &b.dev.stream;
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| anyhow::anyhow!("CUDA driver: beginning a capture failed: {e:?}"))?;
+    let forward = (|| -> Result<()> {
+        let hidden = model.forward(b, &meta, cache)?;
+        let logits = model.compute_logits(b, &hidden, &meta)?;
+        let row = logits.cols() * b.dtype().size();
+        b.ops
+            .copy_2d(&logits.buf, 0, row, &mut out.buf, 0, row, row, shape.batch)
+        // Every tensor of the pass is freed here, inside the capture: the graph owns
+        // its activations and frees them itself.
+    })();
+    // The capture must end whatever happened, or the stream stays in capture mode.
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    forward?;
+    let graph = graph
+        .map_err(|e| anyhow::anyhow!("CUDA driver: ending a capture failed: {e:?}"))?
+        .context("the capture recorded nothing")?;
+    // Uploaded now, so that the first replay does not pay for it.
+    graph
+        .upload()
+        .map_err(|e| anyhow::anyhow!("CUDA driver: uploading a graph failed: {e:?}"))?;
+    Ok(graph)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(max_num_seqs: usize) -> GraphGeometry {
+        GraphGeometry {
+            max_num_seqs,
+            max_model_len: 40_960,
+            block_size: 16,
+            num_q_heads: 16,
+            num_kv_heads: 8,
+            num_sms: 132,
+        }
+    }
+
+    #[test]
+    fn graphs_cover_the_ladder_up_to_max_num_seqs_largest_first() {
+        let batches: Vec<usize> = geometry(40).shapes().iter().map(|s| s.batch).collect();
+        assert_eq!(batches, vec![40, 32, 24, 16, 8, 4, 2, 1]);
+        let batches: Vec<usize> = geometry(30).shapes().iter().map(|s| s.batch).collect();
+        assert_eq!(batches, vec![24, 16, 8, 4, 2, 1]);
+        // Batch 1 spreads over many partitions: it reaches the whole context.
+        let one = *geometry(1).shapes().last().unwrap();
+        assert_eq!(one.max_seq_len, 40_960);
+        assert_eq!(one.blocks_per_seq, 2_560);
+        // A GQA group too wide for the decode kernel gets no graphs.
+        let wide = GraphGeometry {
+            num_kv_heads: 1,
+            ..geometry(8)
+        };
+        assert!(wide.shapes().is_empty());
+    }
+
+    fn decode_step(lens: &[i32]) -> StepInputs {
+        let n = lens.len();
+        StepInputs {
+            input_ids: (0..n as i32).map(|i| 100 + i).collect(),
+            positions: lens.iter().map(|l| l - 1).collect(),
+            slot_mapping: (0..n as i32).map(|i| 16 * i + 3).collect(),
+            block_tables: (0..2 * n as i32).collect(),
+            max_blocks_per_seq: 2,
+            seq_lens: lens.to_vec(),
+            query_start_loc: (0..=n as i32).collect(),
+            logits_indices: (0..n as i32).collect(),
+        }
+    }
+
+    #[test]
+    fn a_decode_step_goes_to_the_smallest_graph_that_holds_it() {
+        let shapes = geometry(256).shapes();
+        assert_eq!(
+            shape_for(&shapes, &decode_step(&[20, 30, 17]))
+                .unwrap()
+                .batch,
+            4
+        );
+        assert_eq!(shape_for(&shapes, &decode_step(&[5; 9])).unwrap().batch, 16);
+        // Too long for the grid of 256 sequences, not for a smaller batch's.
+        let big = shapes[0];
+        let mut lens = vec![5; 200];
+        lens[7] = big.max_seq_len as i32 + 1;
+        assert_eq!(shape_for(&shapes, &decode_step(&lens)), None);
+        // A prefill token, or a sequence that samples nothing, runs eagerly.
+        let mut prefill = decode_step(&[20, 30]);
+        prefill.query_start_loc = vec![0, 1, 3];
+        prefill.input_ids.push(7);
+        assert_eq!(shape_for(&shapes, &prefill), None);
+        let mut silent = decode_step(&[20, 30]);
+        silent.logits_indices.pop();
+        assert_eq!(shape_for(&shapes, &silent), None);
+        assert_eq!(shape_for(&shapes, &decode_step(&[4; 257])), None);
+    }
+
+    #[test]
+    fn padding_adds_one_key_sequences_that_write_nothing() {
+        let step = decode_step(&[20, 30, 17]);
+        let shape = GraphShape {
+            batch: 4,
+            blocks_per_seq: 5,
+            max_seq_len: 80,
+        };
+        let p = pad_decode_step(&step, shape);
+        assert_eq!(p.input_ids, vec![100, 101, 102, 0]);
+        assert_eq!(p.positions, vec![19, 29, 16, 0]);
+        assert_eq!(p.slot_mapping, vec![3, 19, 35, -1]);
+        assert_eq!(p.seq_lens, vec![20, 30, 17, 1]);
+        assert_eq!(p.query_start_loc, vec![0, 1, 2, 3, 4]);
+        assert_eq!(p.logits_indices, vec![0, 1, 2, 3]);
+        assert_eq!(p.max_blocks_per_seq, 5);
+        assert_eq!(
+            p.block_tables,
+            vec![0, 1, 0, 0, 0, 2, 3, 0, 0, 0, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+}

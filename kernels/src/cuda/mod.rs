@@ -22,7 +22,7 @@ pub use attention_plan::{AttentionKernels, AttentionPlan};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;
-pub use ops::{AttentionDims, AttentionMeta, CudaOps};
+pub use ops::{AttentionDims, AttentionMeta, CudaOps, QkvPrepare};
 pub use sampling_ops::{
     LogitEntry, SampleRow, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,
     ENTRY_REPEAT, MAX_LOGPROBS,

@@ -96,6 +96,50 @@ struct DecodeArgs {
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
 unsafe impl DeviceRepr for DecodeArgs {}
 
+/// Threads of a `qkv_prepare` block (`QKV_WARPS` warps) and the widest head it stages.
+const QKV_THREADS: u32 = 128;
+const QKV_MAX_HEAD_DIM: usize = 256;
+
+/// The inputs of `CudaOps::qkv_prepare`.
+pub struct QkvPrepare<'a> {
+    pub qkv: &'a CudaSlice<u8>,
+    pub q_norm: Option<&'a CudaSlice<u8>>,
+    pub k_norm: Option<&'a CudaSlice<u8>>,
+    pub eps: f32,
+    pub positions: &'a CudaSlice<i32>,
+    pub cos_sin: &'a CudaSlice<u8>,
+    pub rotary_dim: usize,
+    pub slot_mapping: &'a CudaSlice<i32>,
+    pub key_cache: &'a CudaSlice<u8>,
+    pub value_cache: &'a CudaSlice<u8>,
+    pub num_tokens: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// `QkvArgs` of qkv_prepare.cu, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct QkvArgs {
+    qkv: u64,
+    q_norm: u64,
+    k_norm: u64,
+    positions: u64,
+    cos_sin: u64,
+    slot_mapping: u64,
+    q_out: u64,
+    key_cache: u64,
+    value_cache: u64,
+    num_q_heads: i32,
+    num_kv_heads: i32,
+    head_dim: i32,
+    rotary_dim: i32,
+    eps: f32,
+}
+// SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
+unsafe impl DeviceRepr for QkvArgs {}
+
 /// `PrefillArgs` of attention_prefill.cu, field for field.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -414,6 +458,66 @@ impl CudaOps {
         // SAFETY: sizes checked above; slots are checked against the pool by the caller.
         unsafe { b.launch(rows_cfg(num_tokens, 256)) }
             .map_err(|e| driver_error("launching reshape_and_cache", e))?;
+        Ok(())
+    }
+
+    /// q [T, Hq·D] from the fused projection `qkv` [T, (Hq + 2 Hkv)·D]: q and k normed
+    /// per head (when weights are given) and rotated, k and v written to the cache at
+    /// their slots (csrc/qkv_prepare.cu).
+    pub fn qkv_prepare(&self, a: &QkvPrepare, q_out: &mut CudaSlice<u8>) -> Result<()> {
+        let t = a.num_tokens;
+        if t == 0 {
+            return Ok(());
+        }
+        let (hq, hkv, d) = (a.num_q_heads, a.num_kv_heads, a.head_dim);
+        ensure!(
+            d <= QKV_MAX_HEAD_DIM && a.rotary_dim <= d && a.rotary_dim.is_multiple_of(2),
+            "qkv_prepare: head_dim {d} (at most {QKV_MAX_HEAD_DIM}), rotary_dim {}",
+            a.rotary_dim
+        );
+        self.check(a.qkv, t * (hq + 2 * hkv) * d, "qkv_prepare qkv")?;
+        self.check(q_out, t * hq * d, "qkv_prepare q")?;
+        for w in [a.q_norm, a.k_norm].into_iter().flatten() {
+            self.check(w, d, "qkv_prepare norm weight")?;
+        }
+        Self::check_ints(a.positions, t, "qkv_prepare positions")?;
+        Self::check_ints(a.slot_mapping, t, "qkv_prepare slot_mapping")?;
+        ensure!(
+            a.key_cache.len() == a.value_cache.len(),
+            "qkv_prepare: K and V caches differ in size"
+        );
+        let s = &self.stream;
+        let (qkv, _g0) = a.qkv.device_ptr(s);
+        let (qn, _g1) = a.q_norm.map(|w| w.device_ptr(s)).unzip();
+        let (kn, _g2) = a.k_norm.map(|w| w.device_ptr(s)).unzip();
+        let (pos, _g3) = a.positions.device_ptr(s);
+        let (cs, _g4) = a.cos_sin.device_ptr(s);
+        let (slots, _g5) = a.slot_mapping.device_ptr(s);
+        let (q, _g6) = q_out.device_ptr(s);
+        let (kc, _g7) = a.key_cache.device_ptr(s);
+        let (vc, _g8) = a.value_cache.device_ptr(s);
+        let args = QkvArgs {
+            qkv,
+            q_norm: qn.unwrap_or(0),
+            k_norm: kn.unwrap_or(0),
+            positions: pos,
+            cos_sin: cs,
+            slot_mapping: slots,
+            q_out: q,
+            key_cache: kc,
+            value_cache: vc,
+            num_q_heads: i32_of(hq, "q heads")?,
+            num_kv_heads: i32_of(hkv, "kv heads")?,
+            head_dim: i32_of(d, "head_dim")?,
+            rotary_dim: i32_of(a.rotary_dim, "rotary_dim")?,
+            eps: a.eps,
+        };
+        let mut b = s.launch_builder(&self.f.qkv_prepare);
+        b.arg(&args);
+        // SAFETY: sizes checked above; positions and slots are checked against the
+        // rotary table and the cache by the caller.
+        unsafe { b.launch(rows_cfg(t, QKV_THREADS)) }
+            .map_err(|e| driver_error("launching qkv_prepare", e))?;
         Ok(())
     }
 

@@ -9,6 +9,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rotary.cu", include_str!("csrc/rotary.cu")),
     ("activation.cu", include_str!("csrc/activation.cu")),
     ("cache.cu", include_str!("csrc/cache.cu")),
+    ("qkv_prepare.cu", include_str!("csrc/qkv_prepare.cu")),
     ("copy.cu", include_str!("csrc/copy.cu")),
     ("attention.cu", include_str!("csrc/attention.cu")),
     (

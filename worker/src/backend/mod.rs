@@ -195,6 +195,40 @@ pub trait Backend {
         value_cache: &mut Self::Tensor,
         slot_mapping: &Self::Ints,
     ) -> Result<()>;
+    /// Everything between the fused qkv projection and attention: splits `qkv`
+    /// [T, (hq + 2·hkv)·d] into q, k and v heads, RMSNorms q and k per head when
+    /// `qk_norm` (q weight, k weight, eps) is given, applies neox rotary to both at
+    /// `positions`, writes k and v to the cache at `slot_mapping`, and returns q
+    /// [T, hq·d]. The default runs the single ops; a backend may fuse them (CUDA does:
+    /// one launch instead of seven).
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_qkv(
+        &self,
+        qkv: &Self::Tensor,
+        heads: &PagedAttentionShape,
+        qk_norm: Option<(&Self::Tensor, &Self::Tensor, f32)>,
+        positions: &Self::Ints,
+        cos_sin_cache: &Self::Tensor,
+        key_cache: &mut Self::Tensor,
+        value_cache: &mut Self::Tensor,
+        slot_mapping: &Self::Ints,
+    ) -> Result<Self::Tensor> {
+        let d = heads.head_dim;
+        let (q_cols, kv_cols) = (heads.num_q_heads * d, heads.num_kv_heads * d);
+        let mut parts = self
+            .split_cols(qkv, &[q_cols, kv_cols, kv_cols])?
+            .into_iter();
+        let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+            anyhow::bail!("split_cols returned fewer than 3 parts");
+        };
+        if let Some((q_weight, k_weight, eps)) = qk_norm {
+            self.rms_norm_per_head(&mut q, q_weight, eps)?;
+            self.rms_norm_per_head(&mut k, k_weight, eps)?;
+        }
+        self.rotary_embedding(positions, &mut q, &mut k, d, cos_sin_cache)?;
+        self.reshape_and_cache(&k, &v, key_cache, value_cache, slot_mapping)?;
+        Ok(q)
+    }
     fn paged_attention(
         &self,
         q: &Self::Tensor,

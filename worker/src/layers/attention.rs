@@ -1,5 +1,5 @@
-//! Attention over the paged KV cache: store this step's K and V at their slots, then attend
-//! every query token causally to its sequence's cached keys.
+//! Attention over the paged KV cache: every query token attends causally to its sequence's
+//! cached keys (this step's K and V are already in the cache: `Backend::prepare_qkv`).
 
 use anyhow::Result;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
@@ -25,25 +25,30 @@ impl Attention {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward<B: Backend>(
+    /// The geometry of this step's attention.
+    pub fn shape<B: Backend>(
         &self,
-        b: &B,
-        q: &B::Tensor,
-        k: &B::Tensor,
-        v: &B::Tensor,
-        cache: &mut KvCacheLayer<B>,
         block_size: usize,
         meta: &StepMetadata<B>,
-    ) -> Result<B::Tensor> {
-        b.reshape_and_cache(k, v, &mut cache.key, &mut cache.value, &meta.slot_mapping)?;
-        let shape = PagedAttentionShape {
+    ) -> PagedAttentionShape {
+        PagedAttentionShape {
             num_q_heads: self.num_heads,
             num_kv_heads: self.num_kv_heads,
             head_dim: self.head_dim,
             block_size,
             max_blocks_per_seq: meta.max_blocks_per_seq,
-        };
+        }
+    }
+
+    pub fn forward<B: Backend>(
+        &self,
+        b: &B,
+        q: &B::Tensor,
+        cache: &KvCacheLayer<B>,
+        block_size: usize,
+        meta: &StepMetadata<B>,
+    ) -> Result<B::Tensor> {
+        let shape = self.shape(block_size, meta);
         b.paged_attention(q, &cache.key, &cache.value, meta, &shape, self.scale)
     }
 }

@@ -84,17 +84,10 @@ impl<B: Backend> QKVParallelLinear<B> {
     }
 
     /// `(q, k, v)`: [T, heads·head_dim], [T, kv_heads·head_dim] twice.
-    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<(B::Tensor, B::Tensor, B::Tensor)> {
-        let qkv = b.linear(x, &self.weight, self.bias.as_ref())?;
-        let (q, kv) = (
-            self.num_heads * self.head_dim,
-            self.num_kv_heads * self.head_dim,
-        );
-        let mut parts = b.split_cols(&qkv, &[q, kv, kv])?.into_iter();
-        match (parts.next(), parts.next(), parts.next()) {
-            (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
-            _ => anyhow::bail!("split_cols returned fewer than 3 parts"),
-        }
+    /// [T, (heads + 2·kv_heads)·head_dim]: this rank's q, k and v heads side by side
+    /// (`Backend::prepare_qkv` takes them apart).
+    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        b.linear(x, &self.weight, self.bias.as_ref())
     }
 }
 

@@ -33,8 +33,8 @@ impl<B: Backend> RmsNorm<B> {
         b.fused_add_rms_norm(x, residual, &self.weight, self.eps)
     }
 
-    /// Normalizes each head of `x` in place (the weight is one head wide).
-    pub fn forward_per_head(&self, b: &B, x: &mut B::Tensor) -> Result<()> {
-        b.rms_norm_per_head(x, &self.weight, self.eps)
+    /// The weight and eps, for an op that fuses the norm (per-head q/k norm).
+    pub fn weight_and_eps(&self) -> (&B::Tensor, f32) {
+        (&self.weight, self.eps)
     }
 }

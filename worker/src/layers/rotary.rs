@@ -1,5 +1,5 @@
-//! Rotary embedding: the cos/sin table for this model's theta and scaling, applied to q and
-//! k at each token's position.
+//! Rotary embedding: the cos/sin table for this model's theta and scaling, which
+//! `Backend::prepare_qkv` applies to q and k at each token's position.
 
 use anyhow::Result;
 use vllm_kernels::cpu::{compute_cos_sin_cache, compute_inv_freq};
@@ -10,7 +10,6 @@ use crate::weights::HostTensor;
 
 pub struct RotaryEmbedding<B: Backend> {
     cos_sin_cache: B::Tensor,
-    head_dim: usize,
 }
 
 impl<B: Backend> RotaryEmbedding<B> {
@@ -24,19 +23,11 @@ impl<B: Backend> RotaryEmbedding<B> {
         }
         let cache = compute_cos_sin_cache(&inv_freq, max_positions);
         let cos_sin_cache = b.upload(&HostTensor::new(vec![max_positions, cfg.head_dim], cache))?;
-        Ok(Self {
-            cos_sin_cache,
-            head_dim: cfg.head_dim,
-        })
+        Ok(Self { cos_sin_cache })
     }
 
-    pub fn forward(
-        &self,
-        b: &B,
-        positions: &B::Ints,
-        q: &mut B::Tensor,
-        k: &mut B::Tensor,
-    ) -> Result<()> {
-        b.rotary_embedding(positions, q, k, self.head_dim, &self.cos_sin_cache)
+    /// [max_positions, rotary_dim]: the cos half then the sin half of each position.
+    pub fn cos_sin_cache(&self) -> &B::Tensor {
+        &self.cos_sin_cache
     }
 }

@@ -109,16 +109,24 @@ impl<B: Backend> LlamaAttention<B> {
         layer: usize,
         meta: &StepMetadata<B>,
     ) -> Result<B::Tensor> {
-        let (mut q, mut k, v) = self.qkv_proj.forward(b, x)?;
-        if let Some((q_norm, k_norm)) = &self.qk_norm {
-            q_norm.forward_per_head(b, &mut q)?;
-            k_norm.forward_per_head(b, &mut k)?;
-        }
-        rotary.forward(b, &meta.positions, &mut q, &mut k)?;
+        let qkv = self.qkv_proj.forward(b, x)?;
+        let qk_norm = self.qk_norm.as_ref().map(|(q_norm, k_norm)| {
+            let ((qw, eps), (kw, _)) = (q_norm.weight_and_eps(), k_norm.weight_and_eps());
+            (qw, kw, eps)
+        });
         let block_size = cache.block_size;
-        let out = self
-            .attn
-            .forward(b, &q, &k, &v, &mut cache.layers[layer], block_size, meta)?;
+        let layer_cache = &mut cache.layers[layer];
+        let q = b.prepare_qkv(
+            &qkv,
+            &self.attn.shape(block_size, meta),
+            qk_norm,
+            &meta.positions,
+            rotary.cos_sin_cache(),
+            &mut layer_cache.key,
+            &mut layer_cache.value,
+            &meta.slot_mapping,
+        )?;
+        let out = self.attn.forward(b, &q, layer_cache, block_size, meta)?;
         self.o_proj.forward(b, &out)
     }
 }

@@ -509,6 +509,57 @@ impl Backend for CudaBackend {
         )
     }
 
+    /// One launch of `qkv_prepare` (the same arithmetic as the default's seven).
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_qkv(
+        &self,
+        qkv: &CudaTensor,
+        heads: &PagedAttentionShape,
+        qk_norm: Option<(&CudaTensor, &CudaTensor, f32)>,
+        positions: &CudaInts,
+        cos_sin_cache: &CudaTensor,
+        key_cache: &mut CudaTensor,
+        value_cache: &mut CudaTensor,
+        slot_mapping: &CudaInts,
+    ) -> Result<CudaTensor> {
+        let t = positions.host.len();
+        let (hq, hkv, d) = (heads.num_q_heads, heads.num_kv_heads, heads.head_dim);
+        ensure!(
+            qkv.rows() == t && qkv.cols() == (hq + 2 * hkv) * d && slot_mapping.host.len() == t,
+            "prepare_qkv: qkv {:?} for {t} tokens of {hq} + 2 × {hkv} heads of {d}",
+            qkv.shape
+        );
+        ensure!(
+            key_cache.shape[2..].iter().product::<usize>() == hkv * d,
+            "prepare_qkv: cache {:?} for {hkv} kv heads of {d}",
+            key_cache.shape
+        );
+        crate::backend::check_rotary_positions(&positions.host, cos_sin_cache.rows())?;
+        let num_slots = key_cache.shape[0] * key_cache.shape[1];
+        if let Some(&s) = slot_mapping.host.iter().find(|&&s| s >= num_slots as i32) {
+            bail!("prepare_qkv: slot {s} outside the cache of {num_slots} slots");
+        }
+        let mut q = self.tensor(vec![t, hq * d])?;
+        let args = vllm_kernels::cuda::QkvPrepare {
+            qkv: &qkv.buf,
+            q_norm: qk_norm.map(|(w, _, _)| &w.buf),
+            k_norm: qk_norm.map(|(_, w, _)| &w.buf),
+            eps: qk_norm.map_or(0.0, |(_, _, eps)| eps),
+            positions: &positions.dev,
+            cos_sin: &cos_sin_cache.buf,
+            rotary_dim: cos_sin_cache.cols(),
+            slot_mapping: &slot_mapping.dev,
+            key_cache: &key_cache.buf,
+            value_cache: &value_cache.buf,
+            num_tokens: t,
+            num_q_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+        };
+        self.ops.qkv_prepare(&args, &mut q.buf)?;
+        Ok(q)
+    }
+
     fn paged_attention(
         &self,
         q: &CudaTensor,

@@ -1,0 +1,88 @@
+// qkv_prepare: everything between the fused qkv projection and attention, in one launch:
+// split the row into q, k and v heads, RMSNorm q and k per head (Qwen3's q_norm and
+// k_norm, when given), neox rotary on q and k, and k and v into the paged cache at the
+// token's slot (negative slots are padding: nothing is written). q goes to its own
+// [T, Hq * D] tensor for attention.
+//
+// It replaces seven launches per layer (three split_cols, two rms_norm_per_head, rotary,
+// reshape_and_cache) that each moved a few kilobytes at batch 1. The arithmetic and its
+// roundings are those of the separate kernels, so the result is bit-identical to them:
+// the norm's output is rounded to the dtype before the rotary reads it, and each rotary
+// product is rounded before the sum (see rotary.cu).
+//
+// One block per token; each warp takes whole heads, staged in shared memory so that a
+// lane can read the other half of its rotary pair.
+
+#define QKV_WARPS 4
+#define QKV_MAX_HEAD_DIM 256
+
+struct QkvArgs {
+    const scalar_t* qkv;       // [T, (Hq + 2 Hkv) * D]
+    const scalar_t* q_norm;    // [D], or null
+    const scalar_t* k_norm;    // [D], or null
+    const int* positions;      // [T]
+    const scalar_t* cos_sin;   // [max_position, rotary_dim]
+    const int* slot_mapping;   // [T]
+    scalar_t* q_out;           // [T, Hq * D]
+    scalar_t* key_cache;       // [num_slots, Hkv * D]
+    scalar_t* value_cache;
+    int num_q_heads;
+    int num_kv_heads;
+    int head_dim;
+    int rotary_dim;
+    float eps;
+};
+
+extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs a) {
+    __shared__ float staged[QKV_WARPS][QKV_MAX_HEAD_DIM];
+    const long long t = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
+    const int heads = hq + 2 * hkv;
+    const int slot = a.slot_mapping[t];
+    const long long kv_row = (long long)hkv * d;
+    const scalar_t* row = a.qkv + t * heads * d;
+    const scalar_t* cs = a.cos_sin + (long long)a.positions[t] * a.rotary_dim;
+    const int half = a.rotary_dim / 2;
+    float* h = staged[warp];
+    for (int head = warp; head < heads; head += QKV_WARPS) {
+        const scalar_t* src = row + (long long)head * d;
+        const bool is_q = head < hq;
+        if (head >= hq + hkv) {  // a v head: copied to the cache as it is
+            if (slot >= 0) {
+                scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d;
+                for (int i = lane; i < d; i += 32) dst[i] = src[i];
+            }
+            continue;
+        }
+        if (!is_q && slot < 0) continue;  // the k of a padding token goes nowhere
+        const scalar_t* w = is_q ? a.q_norm : a.k_norm;
+        float ss = 0.f;
+        for (int i = lane; i < d; i += 32) {
+            const float v = to_f32(src[i]);
+            h[i] = v;
+            ss += v * v;
+        }
+        if (w != nullptr) {
+            ss = warp_sum(ss);
+            const float inv = 1.f / sqrtf(ss / (float)d + a.eps);
+            for (int i = lane; i < d; i += 32) h[i] = round_t(round_t(h[i] * inv) * to_f32(w[i]));
+        }
+        __syncwarp();
+        scalar_t* dst = is_q ? a.q_out + (t * hq + head) * d
+                             : a.key_cache + slot * kv_row + (long long)(head - hq) * d;
+        for (int i = lane; i < d; i += 32) {
+            float o = h[i];
+            if (i < half) {
+                const float c = to_f32(cs[i]), s = to_f32(cs[half + i]);
+                o = round_t(h[i] * c) + round_t(-h[i + half] * s);
+            } else if (i < a.rotary_dim) {
+                const int j = i - half;
+                const float c = to_f32(cs[j]), s = to_f32(cs[half + j]);
+                o = round_t(h[i] * c) + round_t(h[j] * s);
+            }
+            dst[i] = from_f32(o);
+        }
+        __syncwarp();  // the next head overwrites `h`
+    }
+}

@@ -57,6 +57,8 @@ fn expected_kernels(dtype: DType) -> Vec<String> {
             "paged_attention_combine",
             "paged_attention_decode_combine",
             "sample_tokens_ex",
+            "sample_fast_max",
+            "sample_fast_draw",
         ]
         .map(String::from),
     );

@@ -37,6 +37,8 @@ pub struct Functions {
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
     pub paged_attention_prefill: Option<[CudaFunction; 4]>,
     pub sample_tokens_ex: CudaFunction,
+    pub sample_fast_max: CudaFunction,
+    pub sample_fast_draw: CudaFunction,
 }
 
 /// How the module was obtained (logged, and reported by the startup benchmark).
@@ -146,6 +148,8 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
             _ => Some(head_dims("paged_attention_prefill")?),
         },
         sample_tokens_ex: f("sample_tokens_ex")?,
+        sample_fast_max: f("sample_fast_max")?,
+        sample_fast_draw: f("sample_fast_draw")?,
     };
     Ok((module, functions, source))
 }

@@ -4,6 +4,10 @@
 //! The host describes the processors as a sparse, per-row list of the tokens they touch
 //! ([`LogitEntry`], sorted by token), so only what a request's history implies is uploaded,
 //! and only the sampled tokens and the asked-for logprobs come back.
+//!
+//! Rows without entries or logprobs that are greedy or temperature (+ min-p) sampled take
+//! the fast path (sampling_fast.cu: each row split over many blocks, two launches); the
+//! rest take `sample_tokens_ex` (one block per row). Both give the CPU sampler's tokens.
 
 use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -18,6 +22,13 @@ pub const MAX_LOGPROBS: usize = 20;
 pub const ENTRY_REPEAT: i32 = 1;
 /// [`LogitEntry::flags`]: min_tokens is not reached and the token would end the request.
 pub const ENTRY_MASK: i32 = 2;
+
+/// [`SampleRowEx::path`]: the row is sampled by sampling_fast.cu (`PATH_FAST` there).
+pub const PATH_FAST: i32 = 1;
+/// Tokens of one block of the fast path (`FAST_CHUNK` in sampling_fast.cu).
+const FAST_CHUNK: usize = 8192;
+/// Threads of one block of the fast path (`FAST_THREADS` in sampling_fast.cu).
+const FAST_THREADS: u32 = 256;
 
 /// One (row, token) the logits processors change (`LogitEntry` in sampling.cu).
 #[repr(C)]
@@ -65,12 +76,32 @@ pub struct SampleRowEx {
     pub logprobs: i32,
     /// Where the row's [`TokenLogprobsOut`] goes (rows with logprobs only).
     pub logprobs_slot: i32,
-    pub pad: i32,
+    /// Which kernel samples the row ([`PATH_FAST`] or 0); set by `sample_tokens_ex`, so
+    /// callers leave it 0.
+    pub path: i32,
 }
 // SAFETY: repr(C) plain data, the layout of the CUDA struct.
 unsafe impl DeviceRepr for SampleRowEx {}
 
 impl SampleRowEx {
+    /// Whether the fast path samples this row: no logits-processor entries, no logprobs,
+    /// and greedy or a draw with at most min-p (top-k and top-p need the general kernel's
+    /// selection). The conditions are the kernels' own (`temperature < 1e-5`: greedy;
+    /// `top_k > 0` and `top_p < 1` switch those filters on).
+    pub fn takes_fast_path(&self) -> bool {
+        let b = &self.base;
+        // As the kernels test them: NaN compares false (a NaN top_p is off).
+        let top_p_on = b.top_p < 1.0;
+        self.entry_begin == self.entry_end
+            && self.logprobs < 0
+            && (self.is_greedy() || (b.top_k <= 0 && !top_p_on))
+    }
+
+    /// Greedy as the kernels decide it (`temperature < 1e-5`).
+    pub fn is_greedy(&self) -> bool {
+        self.base.temperature < 1e-5
+    }
+
     /// `base`'s sampling with no logits processors and no logprobs.
     pub fn plain(base: SampleRow) -> Self {
         Self {
@@ -218,9 +249,74 @@ impl CudaOps {
         }
     }
 
+    /// The fast path's two launches over the rows marked [`PATH_FAST`] in `params`
+    /// (`draw`: some of them are not greedy); the other rows' blocks return at once.
+    fn sample_fast(
+        &self,
+        logits: &CudaSlice<u8>,
+        vocab: i32,
+        rows: usize,
+        params: &CudaSlice<SampleRowEx>,
+        draw: bool,
+        tokens: &mut CudaSlice<i32>,
+    ) -> Result<()> {
+        let chunks = (vocab as usize).div_ceil(FAST_CHUNK);
+        ensure!(
+            chunks <= 65_535 && rows <= i32::MAX as usize,
+            "sampling: {rows} rows of {vocab} tokens exceed the fast path's grid"
+        );
+        let n = rows * chunks;
+        let alloc_err = |e| driver_error("allocating sampling scratch", e);
+        // SAFETY (the four allocs): every element is written by a chunk's block before the
+        // row's last block reads it, and row_max / row_fallback by sample_fast_max before
+        // sample_fast_draw (same stream) reads them.
+        let mut part_val = unsafe { self.stream.alloc::<f32>(n) }.map_err(alloc_err)?;
+        let mut part_id = unsafe { self.stream.alloc::<i32>(n) }.map_err(alloc_err)?;
+        let mut row_max = unsafe { self.stream.alloc::<f32>(rows) }.map_err(alloc_err)?;
+        let mut row_fallback = unsafe { self.stream.alloc::<i32>(rows) }.map_err(alloc_err)?;
+        // The per-row arrival counters start at 0; each launch's last block puts its back.
+        let mut counters = self.stream.alloc_zeros::<u32>(rows).map_err(alloc_err)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, chunks as u32, 1),
+            block_dim: (FAST_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.f.sample_fast_max);
+        b.arg(logits)
+            .arg(&vocab)
+            .arg(params)
+            .arg(&mut part_val)
+            .arg(&mut part_id)
+            .arg(&mut counters)
+            .arg(&mut row_max)
+            .arg(&mut row_fallback)
+            .arg(&mut *tokens);
+        // SAFETY: the caller checked the logits size; the scratch holds rows × chunks
+        // partials and one counter, max and fallback per row, as the kernel indexes them.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching sample_fast_max", e))?;
+        if !draw {
+            return Ok(());
+        }
+        let mut part_mass = unsafe { self.stream.alloc::<f64>(n) }.map_err(alloc_err)?;
+        let mut part_last = unsafe { self.stream.alloc::<i32>(n) }.map_err(alloc_err)?;
+        let mut b = self.stream.launch_builder(&self.f.sample_fast_draw);
+        b.arg(logits)
+            .arg(&vocab)
+            .arg(params)
+            .arg(&row_max)
+            .arg(&row_fallback)
+            .arg(&mut part_mass)
+            .arg(&mut part_last)
+            .arg(&mut counters)
+            .arg(&mut *tokens);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching sample_fast_draw", e))?;
+        Ok(())
+    }
+
     /// Processes, samples and (where asked) computes raw logprobs of logits rows
-    /// [batch.rows.len(), vocab], in one launch of one block per row; the logits are not
-    /// modified. `poison` fills the outputs with NaN / -1 first (tests).
+    /// [batch.rows.len(), vocab], in one launch of one block per row for the general rows
+    /// and two split-row launches for the fast ones; the logits are not modified. `poison` fills the outputs with NaN / -1 first (tests).
     pub fn sample_tokens_ex(
         &self,
         logits: &CudaSlice<u8>,
@@ -245,31 +341,46 @@ impl CudaOps {
         );
         let v = i32::try_from(vocab)
             .map_err(|_| anyhow::anyhow!("vocab = {vocab} does not fit the kernels' i32"))?;
-        let params = self.upload_padded(batch.rows, SampleRowEx::default())?;
-        let entries = self.upload_padded(batch.entries, LogitEntry::default())?;
-        let biases = self.upload_padded(batch.biases, 0.0f32)?;
-        let mut values = self.output(batch.entries.len(), poison.then_some(f32::NAN))?;
+        let mut rows_ex = batch.rows.to_vec();
+        let mut fast = 0usize;
+        let mut fast_draw = false;
+        for r in &mut rows_ex {
+            r.path = if r.takes_fast_path() { PATH_FAST } else { 0 };
+            if r.path == PATH_FAST {
+                fast += 1;
+                fast_draw |= !r.is_greedy();
+            }
+        }
+        let params = self.upload_padded(&rows_ex, SampleRowEx::default())?;
         let mut tokens = self.output(rows, poison.then_some(i32::MIN))?;
         let mut logprobs =
             self.output(batch.num_logprobs, poison.then(TokenLogprobsOut::poison))?;
-        let func = &self.f.sample_tokens_ex;
-        let mut b = self.stream.launch_builder(func);
-        b.arg(logits)
-            .arg(&v)
-            .arg(&params)
-            .arg(&entries)
-            .arg(&biases)
-            .arg(&mut values)
-            .arg(&mut tokens)
-            .arg(&mut logprobs);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the logits size is checked above, and `validate` checked every index the
-        // kernel follows (entry and bias ranges, tokens < vocab, logprobs slots).
-        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching sample_tokens_ex", e))?;
+        if fast < rows {
+            let entries = self.upload_padded(batch.entries, LogitEntry::default())?;
+            let biases = self.upload_padded(batch.biases, 0.0f32)?;
+            let mut values = self.output(batch.entries.len(), poison.then_some(f32::NAN))?;
+            let func = &self.f.sample_tokens_ex;
+            let mut b = self.stream.launch_builder(func);
+            b.arg(logits)
+                .arg(&v)
+                .arg(&params)
+                .arg(&entries)
+                .arg(&biases)
+                .arg(&mut values)
+                .arg(&mut tokens)
+                .arg(&mut logprobs);
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the logits size is checked above, and `validate` checked every index
+            // the kernel follows (entry and bias ranges, tokens < vocab, logprobs slots).
+            unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching sample_tokens_ex", e))?;
+        }
+        if fast > 0 {
+            self.sample_fast(logits, v, rows, &params, fast_draw, &mut tokens)?;
+        }
         let tokens = self
             .stream
             .clone_dtoh(&tokens)
@@ -297,6 +408,71 @@ mod tests {
             token,
             ..Default::default()
         }
+    }
+
+    /// `exp_neg` of sampling_fast.cu, step for step in f64 (fma is the same IEEE
+    /// operation on both sides). The constants are the CUDA source's, verbatim.
+    #[allow(clippy::excessive_precision)]
+    fn exp_neg(d: f32) -> f64 {
+        if d < -700.0 {
+            return f64::from(d).exp();
+        }
+        let x = f64::from(d);
+        let shifted = x.mul_add(92.332482616893656, 6755399441055744.0);
+        let k = shifted.to_bits() as u32 as i32;
+        let kd = shifted - 6755399441055744.0;
+        let r0 = kd.mul_add(-6.93147180369123816490e-01 / 64.0, x);
+        let r = kd.mul_add(-1.90821492927058770002e-10 / 64.0, r0);
+        let mut p: f64 = 1.0 / 720.0;
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = p.mul_add(r, c);
+        }
+        let t = (f64::from(k & 63) / 64.0).exp2();
+        let scaled = f64::from_bits(t.to_bits().wrapping_add_signed(i64::from(k >> 6) << 52));
+        p * scaled
+    }
+
+    /// The fast path's weights stay within 4 ulp of libm's exp over the whole range a
+    /// weight takes (the general kernel's exp() is within 1 ulp: the same class of error,
+    /// far below what moves a draw).
+    #[test]
+    fn fast_exp_is_within_a_few_ulp() {
+        let mut worst = 0u64;
+        let mut s = 12345u64;
+        for i in 0..200_000 {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32;
+            // Mostly the range logits span, some down to the underflow edge.
+            let d = if i % 10 == 0 { -750.0 * u } else { -40.0 * u };
+            let (got, want) = (exp_neg(d), f64::from(d).exp());
+            let ulp = got.to_bits().abs_diff(want.to_bits());
+            worst = worst.max(ulp);
+        }
+        assert_eq!(exp_neg(0.0), 1.0);
+        assert!(worst <= 4, "fast exp off by {worst} ulp");
+    }
+
+    #[test]
+    fn fast_path_takes_plain_greedy_and_temperature_rows_only() {
+        let base = |temperature, top_k, top_p, min_p| SampleRow {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            uniform: 0.5,
+        };
+        assert!(SampleRowEx::plain(base(0.0, 5, 0.5, 0.0)).takes_fast_path());
+        assert!(SampleRowEx::plain(base(0.7, 0, 1.0, 0.1)).takes_fast_path());
+        assert!(!SampleRowEx::plain(base(0.7, 5, 1.0, 0.0)).takes_fast_path());
+        assert!(!SampleRowEx::plain(base(0.7, 0, 0.9, 0.0)).takes_fast_path());
+        let mut lp = SampleRowEx::plain(base(0.0, 0, 1.0, 0.0));
+        lp.logprobs = 0;
+        assert!(!lp.takes_fast_path());
+        let mut ent = SampleRowEx::plain(base(0.0, 0, 1.0, 0.0));
+        ent.entry_end = 1;
+        assert!(!ent.takes_fast_path());
     }
 
     #[test]

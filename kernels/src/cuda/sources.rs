@@ -21,6 +21,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("csrc/attention_prefill.cu"),
     ),
     ("sampling.cu", include_str!("csrc/sampling.cu")),
+    ("sampling_fast.cu", include_str!("csrc/sampling_fast.cu")),
 ];
 
 /// The whole translation unit, with `#line` markers so NVRTC errors name the real file.

@@ -21,6 +21,9 @@
 // (the row stays in L2). Thresholds are found by radix selection over order-preserving
 // 32-bit keys of the scaled logits: counts for top-k, f64 probability mass for top-p.
 // Ties at the top-p cut keep the lowest ids first, as the CPU's stable order does.
+//
+// Rows marked PATH_FAST (no entries, no logprobs; greedy or temperature + min-p) are
+// sampled by sampling_fast.cu instead; their blocks here return at once.
 
 #define SAMPLE_THREADS 1024
 #define FLT_MAX_F 3.402823466e+38f
@@ -49,7 +52,7 @@ struct SampleRowEx {
     float presence_penalty;
     int logprobs;       // < 0: none; else how many top logprobs (<= MAX_LOGPROBS)
     int logprobs_slot;  // this row's TokenLogprobsOut
-    int pad;
+    int path;           // PATH_FAST: sampled by sampling_fast.cu instead
 };
 
 // One (row, token) the logits processors change.
@@ -561,6 +564,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                      TokenLogprobsOut* __restrict__ out_logprobs) {
     const int row = blockIdx.x;
     const SampleRowEx p = params[row];
+    if (p.path == 1) return;  // PATH_FAST (sampling_fast.cu)
     const scalar_t* x = logits + (long long)row * vocab;
     process_entries(x, p, entries, biases, values);
     RowView r;

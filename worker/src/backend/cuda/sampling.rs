@@ -161,7 +161,7 @@ impl HostBatch {
                 presence_penalty: p.presence_penalty,
                 logprobs,
                 logprobs_slot,
-                pad: 0,
+                path: 0,
             });
         }
         ensure!(

@@ -11,6 +11,12 @@
 # On the CPU the KV pool is 0.1 GiB (--cpu-kv-cache-space): its pages are touched only when
 # a block is first used, and a small pool is cycled through during warm-up, so the RSS
 # check sees growth after warm-up (a leak), not first touches of a 2 GiB pool.
+# Warm-up is the first 10% of the run (soak.py --warmup): at the CPU's ~75 requests/s that
+# is thousands of requests of every shape, so the binary's code is paged in and the heap has
+# seen peak concurrency. After it, soak.py compares the median RSS of the first and the last
+# quarter of its samples rather than each sample with the first: glibc keeps freed memory
+# for a while after a burst, so single samples swing by 10-20% with a flat live heap, while
+# a leak moves the medians (soak.py's docstring has the numbers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=target/release/vllm-rs

@@ -52,6 +52,25 @@ pub struct RequestStream {
 }
 
 impl RequestStream {
+    /// Registers the route of `request_id` and returns its stream. From here on the
+    /// stream owns the route: the engine's final output, `abort` or dropping the stream
+    /// removes it, so the map holds only requests in flight.
+    fn open(
+        request_id: String,
+        routes: &Routes,
+        to_engine: &mpsc::UnboundedSender<EngineCoreInput>,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        lock(routes).insert(request_id.clone(), tx);
+        RequestStream {
+            request_id,
+            rx,
+            finished: false,
+            to_engine: to_engine.clone(),
+            routes: routes.clone(),
+        }
+    }
+
     /// The next output; `None` once the request has finished.
     pub async fn next(&mut self) -> Option<EngineCoreOutput> {
         if self.finished {
@@ -174,19 +193,13 @@ impl EngineCoreClient {
         if let Some(why) = self.dead_reason() {
             bail!("the engine is dead: {why}");
         }
-        let (tx, rx) = mpsc::unbounded_channel();
-        let request_id = req.request_id.clone();
-        lock(&self.routes).insert(request_id.clone(), tx);
+        // The stream exists before the send, so a failed send drops it and its route
+        // with it instead of leaving an entry that nothing would remove.
+        let stream = RequestStream::open(req.request_id.clone(), &self.routes, &self.to_engine);
         self.to_engine
             .send(EngineCoreInput::Add(req))
             .map_err(|_| anyhow!("the engine is gone"))?;
-        Ok(RequestStream {
-            request_id,
-            rx,
-            finished: false,
-            to_engine: self.to_engine.clone(),
-            routes: self.routes.clone(),
-        })
+        Ok(stream)
     }
 
     /// Ends every request in flight with the error `why` and aborts them in the engine,
@@ -396,5 +409,54 @@ pub fn vllm_rs_exe() -> anyhow::Result<PathBuf> {
     match std::env::var_os("VLLM_RS_EXE") {
         Some(p) => Ok(PathBuf::from(p)),
         None => std::env::current_exe().context("cannot find the vllm-rs executable"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vllm_protocol::FinishReason;
+
+    fn finished(id: &str) -> EngineCoreOutput {
+        EngineCoreOutput {
+            finish_reason: Some(FinishReason::Stop),
+            error: None,
+            ..EngineCoreOutput::failed(id.to_string(), String::new())
+        }
+    }
+
+    /// The route map is the frontend's only per-request state: the soak's RSS check
+    /// catches a leak there only after minutes, this test at once. Every way a request
+    /// ends must leave the map empty.
+    #[tokio::test]
+    async fn routes_are_removed_however_a_request_ends() {
+        let routes: Routes = Arc::default();
+        let (to_engine, mut sent) = mpsc::unbounded_channel();
+        let mut done = RequestStream::open("done".into(), &routes, &to_engine);
+        let dropped = RequestStream::open("dropped".into(), &routes, &to_engine);
+        let mut aborted = RequestStream::open("aborted".into(), &routes, &to_engine);
+        let _failed = RequestStream::open("failed".into(), &routes, &to_engine);
+        assert_eq!(lock(&routes).len(), 4);
+
+        route(&routes, vec![finished("done")]);
+        assert!(done.next().await.is_some_and(|o| o.finish_reason.is_some()));
+        assert!(done.next().await.is_none());
+        drop(done);
+        drop(dropped);
+        aborted.abort();
+        route(
+            &routes,
+            vec![EngineCoreOutput::failed("failed".into(), "oom".into())],
+        );
+        assert!(lock(&routes).is_empty(), "{:?}", lock(&routes).keys());
+
+        // Only the requests the engine had not finished are aborted there.
+        let mut aborts = Vec::new();
+        while let Ok(input) = sent.try_recv() {
+            if let EngineCoreInput::Abort(ids) = input {
+                aborts.extend(ids);
+            }
+        }
+        assert_eq!(aborts, ["dropped", "aborted"]);
     }
 }

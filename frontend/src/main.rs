@@ -5,6 +5,7 @@ use clap::Parser;
 use vllm_frontend::cli::{Cli, Command};
 
 fn main() {
+    bound_malloc_arenas();
     let cli = Cli::parse();
     init_tracing();
     let code = match run(cli.command) {
@@ -15,6 +16,22 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+/// glibc gives each thread that allocates an arena of its own (up to 8 per core) and keeps
+/// what a burst freed in each. On a 16-core host the frontend's RSS climbed for minutes
+/// after warm-up (137 → 167 MiB in a 400 s soak) while its live heap stayed flat
+/// (docs/RELIABILITY.md); four arenas bound that, as `MALLOC_ARENA_MAX` does for many
+/// servers. A `MALLOC_ARENA_MAX` in the environment wins.
+fn bound_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: mallopt only sets an allocator parameter; called before any thread
+        // starts.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 4);
+        }
+    }
 }
 
 fn run(mut command: Command) -> anyhow::Result<i32> {

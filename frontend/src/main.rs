@@ -20,16 +20,17 @@ fn main() {
 
 /// glibc gives each thread that allocates an arena of its own (up to 8 per core) and keeps
 /// what a burst freed in each. On a 16-core host the frontend's RSS climbed for minutes
-/// after warm-up (137 → 167 MiB in a 400 s soak) while its live heap stayed flat
-/// (docs/RELIABILITY.md); four arenas bound that, as `MALLOC_ARENA_MAX` does for many
-/// servers. A `MALLOC_ARENA_MAX` in the environment wins.
+/// after warm-up (137 → 167 MiB in a 400 s soak) while its live heap stayed flat; with 16
+/// tokio threads on 2 cores it grew +20% with 64 arenas, +10% with 4, and stayed flat
+/// with 1, at the same request rate (docs/RELIABILITY.md). So one arena, as
+/// `MALLOC_ARENA_MAX=1` would give; a `MALLOC_ARENA_MAX` in the environment wins.
 fn bound_malloc_arenas() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
         // SAFETY: mallopt only sets an allocator parameter; called before any thread
         // starts.
         unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 4);
+            libc::mallopt(libc::M_ARENA_MAX, 1);
         }
     }
 }

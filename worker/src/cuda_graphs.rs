@@ -13,13 +13,13 @@
 //! its rows stay finite; its logits are never read.
 
 use std::collections::BTreeMap;
-use std::ops::Deref;
 
 use anyhow::{Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use vllm_kernels::cuda::attention_plan::{decode_bucket, DecodeGrid};
 
+use crate::backend::cuda::tensor::Borrowed;
 use crate::backend::cuda::CudaTensor;
 use crate::backend::{Backend, CudaBackend, StepInputs};
 use crate::kv_cache::KvCache;
@@ -146,26 +146,8 @@ fn capture_step(shape: GraphShape) -> StepInputs {
     pad_decode_step(&empty, shape)
 }
 
-/// The first `rows` rows of the graphs' output buffer, as a tensor; dropping it leaves
-/// the buffer alone.
-pub struct LogitsView(Option<CudaTensor>);
-
-impl Deref for LogitsView {
-    type Target = CudaTensor;
-    fn deref(&self) -> &CudaTensor {
-        // Only `drop` empties it.
-        self.0.as_ref().expect("LogitsView used after drop")
-    }
-}
-
-impl Drop for LogitsView {
-    fn drop(&mut self) {
-        if let Some(t) = self.0.take() {
-            // The memory is the graphs' output buffer: release the handle only.
-            let _ = t.buf.leak();
-        }
-    }
-}
+/// The first rows of the graphs' output buffer, as a tensor.
+pub type LogitsView = Borrowed<CudaTensor>;
 
 pub struct CudaGraphs {
     /// Largest first, as `GraphGeometry::shapes` gives them.
@@ -243,15 +225,15 @@ impl CudaGraphs {
         let (ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&self.logits.buf, &b.dev.stream);
         // SAFETY: the first `rows` rows of `logits`, which outlives every view (the runner
         // drops the view before the next step).
-        let buf = unsafe {
-            b.dev
-                .stream
-                .upgrade_device_ptr::<u8>(ptr, rows * vocab * b.dtype().size())
-        };
-        Ok(LogitsView(Some(CudaTensor {
-            shape: vec![rows, vocab],
-            buf,
-        })))
+        Ok(unsafe {
+            Borrowed::new(CudaTensor {
+                shape: vec![rows, vocab],
+                buf: b
+                    .dev
+                    .stream
+                    .upgrade_device_ptr::<u8>(ptr, rows * vocab * b.dtype().size()),
+            })
+        })
     }
 }
 

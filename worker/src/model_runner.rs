@@ -72,6 +72,8 @@ pub struct ModelRunner<B: Backend = CpuBackend> {
     model_config: ModelConfig,
     model: LlamaForCausalLM<B>,
     max_model_len: usize,
+    /// This rank's attention heads.
+    num_q_heads: usize,
     num_kv_heads: usize,
     kv_cache: Option<KvCache<B>>,
     batch: InputBatch,
@@ -183,6 +185,7 @@ impl<B: Backend> ModelRunner<B> {
             seconds = started.elapsed().as_secs_f32(),
             "model loaded"
         );
+        let num_q_heads = model_config.num_attention_heads / tp.size;
         let num_kv_heads = tp.local_kv_heads(model_config.num_key_value_heads);
         // The worst-case dummy step may hold one sequence longer than max_model_len.
         let longest = max_model_len.max(cfg.max_num_batched_tokens as usize);
@@ -192,7 +195,7 @@ impl<B: Backend> ModelRunner<B> {
                 max_num_seqs: cfg.max_num_seqs as usize,
                 max_blocks_per_seq: longest.div_ceil(cfg.block_size as usize),
             },
-            model_config.num_attention_heads / tp.size,
+            num_q_heads,
             num_kv_heads,
         )?;
         Ok(Self {
@@ -201,6 +204,7 @@ impl<B: Backend> ModelRunner<B> {
             model_config,
             model,
             max_model_len,
+            num_q_heads,
             num_kv_heads,
             kv_cache: None,
             batch: InputBatch::default(),
@@ -552,7 +556,7 @@ impl ModelRunner<CudaBackend> {
             max_num_seqs: self.cfg.max_num_seqs as usize,
             max_model_len: self.max_model_len,
             block_size: cache.block_size,
-            num_q_heads: self.model_config.num_attention_heads / self.cfg.world_size as usize,
+            num_q_heads: self.num_q_heads,
             num_kv_heads: self.num_kv_heads,
             num_sms: self.backend.dev.num_sms,
         };

@@ -77,11 +77,6 @@ impl CudaBackend {
         })
     }
 
-    /// The capacity of the step buffers (None before `reserve_steps`).
-    pub fn step_capacity(&self) -> Option<StepCapacity> {
-        self.steps.borrow().as_ref().map(|s| s.buffers.capacity())
-    }
-
     /// Joins the tensor-parallel group of `unique_id` as `rank` of `world_size`; blocks
     /// until every rank has joined.
     pub fn join_group(&mut self, unique_id: &[u8], rank: u32, world_size: u32) -> Result<()> {

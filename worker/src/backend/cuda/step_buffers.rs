@@ -7,7 +7,6 @@
 //! replay a later one: the graph reads whatever the last copy put there. It also keeps
 //! the hot path free of allocations and of the seven small copies a step used to make.
 
-use std::ops::Deref;
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
@@ -15,6 +14,7 @@ use cudarc::driver::{result as dr, CudaEvent, CudaSlice, CudaStream, DevicePtr, 
 use vllm_kernels::cuda::device::driver_error;
 use vllm_kernels::cuda::AttentionPlan;
 
+use super::tensor::{Borrowed, DeviceInts};
 use crate::backend::{StepCapacity, StepInputs};
 
 /// Where each array starts, in i32s from the start of the buffers. The block tables come
@@ -64,27 +64,6 @@ impl Layout {
             decode_partition,
             block_tables,
             total: at,
-        }
-    }
-}
-
-/// A range of the step buffers seen as a `CudaSlice`, so that the kernels' wrappers take
-/// it as they take any buffer; dropping it leaves the memory to the buffers.
-pub struct DeviceInts(Option<CudaSlice<i32>>);
-
-impl Deref for DeviceInts {
-    type Target = CudaSlice<i32>;
-    fn deref(&self) -> &CudaSlice<i32> {
-        // Only `drop` empties it.
-        self.0.as_ref().expect("DeviceInts used after drop")
-    }
-}
-
-impl Drop for DeviceInts {
-    fn drop(&mut self) {
-        if let Some(view) = self.0.take() {
-            // The memory belongs to `StepBuffers`: release the handle, not the memory.
-            let _ = view.leak();
         }
     }
 }
@@ -139,12 +118,8 @@ impl StepBuffers {
         })
     }
 
-    pub fn capacity(&self) -> StepCapacity {
-        self.capacity
-    }
-
     /// Whether a step of this shape fits.
-    pub fn fits(&self, inputs: &StepInputs, plan: &AttentionPlan) -> bool {
+    fn fits(&self, inputs: &StepInputs, plan: &AttentionPlan) -> bool {
         let c = &self.capacity;
         inputs.num_tokens() <= c.max_num_tokens
             && inputs.num_seqs() <= c.max_num_seqs
@@ -208,10 +183,12 @@ impl StepBuffers {
             .map_err(|e| driver_error("recording an event", e))?;
         let view = |at: usize, len: usize| {
             // SAFETY: a range inside `dev`, which outlives the step (the backend owns both).
-            DeviceInts(Some(unsafe {
-                self.stream
-                    .upgrade_device_ptr::<i32>(base + (at * 4) as u64, len)
-            }))
+            unsafe {
+                Borrowed::new(
+                    self.stream
+                        .upgrade_device_ptr::<i32>(base + (at * 4) as u64, len),
+                )
+            }
         };
         Ok(StagedStep {
             input_ids: view(l.input_ids, inputs.input_ids.len()),

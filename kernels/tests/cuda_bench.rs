@@ -201,3 +201,94 @@ fn gemms(dev: &CudaDevice) {
         per_layer_bytes * LAYERS as f64,
     );
 }
+
+/// A GEMM of a model: (name, k, n).
+type GemmShape = (&'static str, usize, usize);
+
+/// Decode GEMMs at batch 1–8, cuBLAS against the thin-GEMM kernel (both rows-per-warp
+/// variants and the one `gemv` picks), for the layer shapes of Qwen3-0.6B and Qwen3-8B.
+/// Each call reads a different copy of the weights, 256 MB in all, so the 50 MB L2 holds
+/// none of them and the figures are HBM figures.
+///
+///   cuda_bench thin_gemms --ignored --nocapture    (scripts/gpu_round.sh kernel-bench)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
+fn thin_gemms() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+    let models: [(&str, [GemmShape; 5]); 2] = [
+        (
+            "0.6B",
+            [
+                ("qkv_proj", 1024, 4096),
+                ("o_proj", 2048, 1024),
+                ("gate_up_proj", 1024, 6144),
+                ("down_proj", 3072, 1024),
+                ("lm_head", 1024, VOCAB),
+            ],
+        ),
+        (
+            "8B",
+            [
+                ("qkv_proj", 4096, 6144),
+                ("o_proj", 4096, 4096),
+                ("gate_up_proj", 4096, 24576),
+                ("down_proj", 12288, 4096),
+                ("lm_head", 4096, VOCAB),
+            ],
+        ),
+    ];
+    for (model, shapes) in models {
+        for m in [1, 2, 4, 8] {
+            let (mut layer_blas, mut layer_gemv, mut layer_bytes) = (0.0, 0.0, 0.0);
+            for (name, k, n) in shapes {
+                let bytes = ((n * k + m * k + m * n) * 2) as f64;
+                let copies = ((256 << 20) as f64 / bytes).ceil().clamp(1.0, 64.0) as usize;
+                let ws: Vec<_> = (0..copies)
+                    .map(|i| random(&dev, n * k, 100 + i as u64))
+                    .collect();
+                let x = random(&dev, m * k, 5);
+                let mut out = ops.alloc(m * n).unwrap();
+                let mut i = 0;
+                let mut next = || {
+                    i = (i + 1) % copies;
+                    &ws[i]
+                };
+                let blas = time(&dev, 40, || {
+                    gemm.linear(&x, next(), &mut out, m, k, n).unwrap()
+                });
+                let mut rows = [0.0; 2];
+                for (r, t) in rows.iter_mut().enumerate() {
+                    *t = time(&dev, 40, || {
+                        ops.gemv_with_rows(&x, next(), &mut out, (m, k, n), r + 1)
+                            .unwrap()
+                    });
+                }
+                let picked = time(&dev, 40, || {
+                    ops.gemv(&x, next(), &mut out, m, k, n).unwrap()
+                });
+                let what = format!("{model} {name} m={m} [{k}->{n}]");
+                report(&format!("{what} cublas"), blas, bytes);
+                report(&format!("{what} gemv r1"), rows[0], bytes);
+                report(&format!("{what} gemv r2"), rows[1], bytes);
+                report(&format!("{what} gemv picked"), picked, bytes);
+                if name != "lm_head" {
+                    layer_blas += blas;
+                    layer_gemv += picked;
+                    layer_bytes += bytes;
+                }
+            }
+            report(
+                &format!("{model} layer GEMMs m={m} cublas"),
+                layer_blas,
+                layer_bytes,
+            );
+            report(
+                &format!("{model} layer GEMMs m={m} gemv"),
+                layer_gemv,
+                layer_bytes,
+            );
+        }
+    }
+}

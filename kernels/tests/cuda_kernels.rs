@@ -419,6 +419,62 @@ fn copies_match_cpu() {
     }
 }
 
+/// The thin-GEMM kernel at every row count it takes, both rows-per-warp variants, odd
+/// output counts (a warp's second row past the end) and K without a whole unrolled pass.
+/// The output is poisoned one row of x past its end: that row must stay NaN.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn gemv_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let vec = 16 / dtype.size();
+        let mut r = Lcg(11);
+        for (k, n) in [
+            (1024, 4096),
+            (2048, 1024),
+            (vec, 1),
+            (3 * vec, 33),
+            (4096 + 5 * vec, 17),
+        ] {
+            for m in 1..=vllm_kernels::cuda::GEMV_MAX_M {
+                let x = c.round(&r.vec(m * k, 1.0));
+                let w = c.round(&r.vec(n * k, 1.0 / (k as f32).sqrt()));
+                let mut want = vec![0.0; m * n];
+                cpu::linear(&x, &w, None, m, k, n, &mut want);
+                let (xd, wd) = (c.upload(&x), c.upload(&w));
+                assert!(c.ops.gemv_fits([&xd, &wd, &xd], m, k));
+                for rows_per_warp in [1, 2] {
+                    let mut out = c.poisoned((m + 1) * n);
+                    c.ops
+                        .gemv_with_rows(&xd, &wd, &mut out, (m, k, n), rows_per_warp)
+                        .unwrap();
+                    let got = c.download(&out, (m + 1) * n);
+                    let what = format!("gemv m={m} k={k} n={n} r={rows_per_warp}");
+                    // f32 sums on both sides in different orders, one rounding of O(1)
+                    // outputs.
+                    let t = match dtype {
+                        DType::F32 => Tol {
+                            abs: 1e-5,
+                            rel: 1e-5,
+                        },
+                        _ => tol(dtype, 1.0),
+                    };
+                    assert_close(&what, dtype, &got[..m * n], &want, t);
+                    assert!(
+                        got[m * n..].iter().all(|v| v.is_nan()),
+                        "{what}: wrote past its output"
+                    );
+                }
+            }
+        }
+        // What it does not take: too many rows, a ragged row.
+        let buf = c.upload(&vec![0.5; 9 * 64]);
+        assert!(!c.ops.gemv_fits([&buf, &buf, &buf], 9, 64));
+        assert!(!c.ops.gemv_fits([&buf, &buf, &buf], 1, vec + 1));
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn linear_matches_cpu() {

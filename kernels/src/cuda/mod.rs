@@ -10,6 +10,7 @@ pub mod cache;
 pub mod device;
 pub mod dtype;
 pub mod gemm;
+pub mod gemv;
 pub mod libs;
 pub mod module;
 pub mod nccl;
@@ -22,6 +23,7 @@ pub use attention_plan::{AttentionKernels, AttentionPlan};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;
+pub use gemv::GEMV_MAX_M;
 pub use ops::{AttentionDims, AttentionMeta, CudaOps, QkvPrepare};
 pub use sampling_ops::{
     LogitEntry, SampleRow, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,

@@ -12,33 +12,104 @@ use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::{cache, nvrtc, sources};
 
-/// Every kernel of `csrc/`, by its `extern "C"` name.
-pub struct Functions {
-    pub embedding: CudaFunction,
-    pub rms_norm: CudaFunction,
-    pub fused_add_rms_norm: CudaFunction,
-    pub rms_norm_per_head: CudaFunction,
-    pub rotary_embedding_neox: CudaFunction,
-    pub silu_and_mul: CudaFunction,
-    pub reshape_and_cache: CudaFunction,
-    pub qkv_prepare: CudaFunction,
-    pub split_cols: CudaFunction,
-    pub gather_rows: CudaFunction,
-    pub add_bias: CudaFunction,
-    pub fill: CudaFunction,
-    pub dummy_fill: CudaFunction,
+/// Every kernel of `csrc/`: `F` is the loaded `CudaFunction`, or whatever a caller that
+/// only checks the names (the NVRTC test) makes of each one.
+pub struct Functions<F = CudaFunction> {
+    pub embedding: F,
+    pub rms_norm: F,
+    pub fused_add_rms_norm: F,
+    pub rms_norm_per_head: F,
+    pub rotary_embedding_neox: F,
+    pub silu_and_mul: F,
+    pub reshape_and_cache: F,
+    pub qkv_prepare: F,
+    pub split_cols: F,
+    pub gather_rows: F,
+    pub add_bias: F,
+    pub fill: F,
+    pub dummy_fill: F,
+    /// `gemv_m{M}_r{R}`, indexed by M - 1 (1..=8 rows of x), then R - 1 (1 or 2 rows of
+    /// w per warp).
+    pub gemv: [[F; 2]; 8],
     /// Indexed by head size (`HEAD_DIMS`).
-    pub paged_attention: [CudaFunction; 4],
-    pub paged_attention_combine: CudaFunction,
-    /// The decode kernel by head size (16, 32, 64, 128).
-    /// Indexed by head size, then GQA group (1, 2, 4, 8).
-    pub paged_attention_decode: [[CudaFunction; 4]; 4],
-    pub paged_attention_decode_combine: CudaFunction,
+    pub paged_attention: [F; 4],
+    pub paged_attention_combine: F,
+    /// The decode kernel by head size (16, 32, 64, 128), then GQA group (1, 2, 4, 8).
+    pub paged_attention_decode: [[F; 4]; 4],
+    pub paged_attention_decode_combine: F,
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
-    pub paged_attention_prefill: Option<[CudaFunction; 4]>,
-    pub sample_tokens_ex: CudaFunction,
-    pub sample_fast_max: CudaFunction,
-    pub sample_fast_draw: CudaFunction,
+    pub paged_attention_prefill: Option<[F; 4]>,
+    pub sample_tokens_ex: F,
+    pub sample_fast_max: F,
+    pub sample_fast_draw: F,
+}
+
+/// Looks up each name of `names` in order.
+fn family<F, const N: usize>(
+    lookup: &mut dyn FnMut(&str) -> Result<F>,
+    names: [String; N],
+) -> Result<[F; N]> {
+    let found = names
+        .iter()
+        .map(|name| lookup(name))
+        .collect::<Result<Vec<F>>>()?;
+    found
+        .try_into()
+        .map_err(|_| anyhow::anyhow!("a kernel family lost a member"))
+}
+
+impl<F> Functions<F> {
+    /// Every kernel of the `dtype` module, each obtained from `lookup` by its
+    /// `extern "C"` name: the one list of names that loading and the NVRTC test share.
+    pub fn lookup(dtype: DType, mut lookup: impl FnMut(&str) -> Result<F>) -> Result<Self> {
+        let f: &mut dyn FnMut(&str) -> Result<F> = &mut lookup;
+        // `{name}_d16` … `{name}_d128`, in HEAD_DIMS order.
+        let head_dims = |name: &str| [16, 32, 64, 128].map(|d| format!("{name}_d{d}"));
+        // The decode kernels of one head size, by padded group (1, 2, 4, 8).
+        let decode = |d: usize| [1, 2, 4, 8].map(|g| format!("paged_attention_decode_d{d}_g{g}"));
+        let gemv = |m: usize| [1, 2].map(|r| format!("gemv_m{m}_r{r}"));
+        Ok(Self {
+            embedding: f("embedding")?,
+            rms_norm: f("rms_norm")?,
+            fused_add_rms_norm: f("fused_add_rms_norm")?,
+            rms_norm_per_head: f("rms_norm_per_head")?,
+            rotary_embedding_neox: f("rotary_embedding_neox")?,
+            silu_and_mul: f("silu_and_mul")?,
+            reshape_and_cache: f("reshape_and_cache")?,
+            qkv_prepare: f("qkv_prepare")?,
+            split_cols: f("split_cols")?,
+            gather_rows: f("gather_rows")?,
+            add_bias: f("add_bias")?,
+            fill: f("fill")?,
+            dummy_fill: f("dummy_fill")?,
+            gemv: [
+                family(f, gemv(1))?,
+                family(f, gemv(2))?,
+                family(f, gemv(3))?,
+                family(f, gemv(4))?,
+                family(f, gemv(5))?,
+                family(f, gemv(6))?,
+                family(f, gemv(7))?,
+                family(f, gemv(8))?,
+            ],
+            paged_attention: family(f, head_dims("paged_attention"))?,
+            paged_attention_combine: f("paged_attention_combine")?,
+            paged_attention_decode: [
+                family(f, decode(16))?,
+                family(f, decode(32))?,
+                family(f, decode(64))?,
+                family(f, decode(128))?,
+            ],
+            paged_attention_decode_combine: f("paged_attention_decode_combine")?,
+            paged_attention_prefill: match dtype {
+                DType::F32 => None,
+                _ => Some(family(f, head_dims("paged_attention_prefill"))?),
+            },
+            sample_tokens_ex: f("sample_tokens_ex")?,
+            sample_fast_max: f("sample_fast_max")?,
+            sample_fast_draw: f("sample_fast_draw")?,
+        })
+    }
 }
 
 /// How the module was obtained (logged, and reported by the startup benchmark).
@@ -96,60 +167,11 @@ pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Function
         .ctx
         .load_module(Ptx::from_binary(bytes))
         .map_err(|e| driver_error("loading the kernel CUBIN", e))?;
-    let f = |name: &str| -> Result<CudaFunction> {
+    let functions = Functions::lookup(dtype, |name| {
         module
             .load_function(name)
             .map_err(|e| driver_error(&format!("looking up kernel {name}"), e))
             .context("the kernel cache may be stale: delete it (see VLLM_RS_KERNEL_CACHE)")
-    };
-    // `{name}_d16` … `{name}_d128`, in HEAD_DIMS order.
-    let head_dims = |name: &str| -> Result<[CudaFunction; 4]> {
-        Ok([
-            f(&format!("{name}_d16"))?,
-            f(&format!("{name}_d32"))?,
-            f(&format!("{name}_d64"))?,
-            f(&format!("{name}_d128"))?,
-        ])
-    };
-    // The decode kernels of one head size, by padded group (1, 2, 4, 8).
-    let decode_kernels = |d: usize| -> Result<[CudaFunction; 4]> {
-        Ok([
-            f(&format!("paged_attention_decode_d{d}_g1"))?,
-            f(&format!("paged_attention_decode_d{d}_g2"))?,
-            f(&format!("paged_attention_decode_d{d}_g4"))?,
-            f(&format!("paged_attention_decode_d{d}_g8"))?,
-        ])
-    };
-    let functions = Functions {
-        embedding: f("embedding")?,
-        rms_norm: f("rms_norm")?,
-        fused_add_rms_norm: f("fused_add_rms_norm")?,
-        rms_norm_per_head: f("rms_norm_per_head")?,
-        rotary_embedding_neox: f("rotary_embedding_neox")?,
-        silu_and_mul: f("silu_and_mul")?,
-        reshape_and_cache: f("reshape_and_cache")?,
-        qkv_prepare: f("qkv_prepare")?,
-        split_cols: f("split_cols")?,
-        gather_rows: f("gather_rows")?,
-        add_bias: f("add_bias")?,
-        fill: f("fill")?,
-        dummy_fill: f("dummy_fill")?,
-        paged_attention: head_dims("paged_attention")?,
-        paged_attention_combine: f("paged_attention_combine")?,
-        paged_attention_decode: [
-            decode_kernels(16)?,
-            decode_kernels(32)?,
-            decode_kernels(64)?,
-            decode_kernels(128)?,
-        ],
-        paged_attention_decode_combine: f("paged_attention_decode_combine")?,
-        paged_attention_prefill: match dtype {
-            DType::F32 => None,
-            _ => Some(head_dims("paged_attention_prefill")?),
-        },
-        sample_tokens_ex: f("sample_tokens_ex")?,
-        sample_fast_max: f("sample_fast_max")?,
-        sample_fast_draw: f("sample_fast_draw")?,
-    };
+    })?;
     Ok((module, functions, source))
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchConfig, PushKernelArg,
+    LaunchConfig,
 };
 
 use super::attention_plan::{
@@ -18,6 +18,28 @@ use super::attention_plan::{
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::module::{self, BuildSource, Functions};
+
+/// Launches a kernel of `$ops`'s module with `$cfg`, pushing the arguments in the order of
+/// the kernel's parameters; an error names the kernel. The kernel is `$ops.f.<name>`, or
+/// any `CudaFunction` given as `func => "name"`. The launch is unsafe, hence the `unsafe`
+/// at each call: the caller checks every buffer against the sizes the kernel indexes and
+/// says so in a SAFETY comment above the call.
+macro_rules! launch {
+    (unsafe $ops:expr, $name:ident, $cfg:expr; $($arg:expr),+ $(,)?) => {
+        launch!(unsafe $ops, &$ops.f.$name => stringify!($name), $cfg; $($arg),+)
+    };
+    (unsafe $ops:expr, $func:expr => $name:expr, $cfg:expr; $($arg:expr),+ $(,)?) => {{
+        use cudarc::driver::PushKernelArg as _;
+        let cfg = $cfg;
+        let mut builder = $ops.stream.launch_builder($func);
+        $(builder.arg($arg);)+
+        // SAFETY: the caller's, stated at the call site.
+        unsafe { builder.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| $crate::cuda::device::driver_error(concat!("launching ", $name), e))
+    }};
+}
+pub(crate) use launch;
 
 /// `AttentionArgs` of attention.cu, field for field.
 #[repr(C)]
@@ -182,7 +204,7 @@ pub struct CudaOps {
     _module: Arc<CudaModule>,
 }
 
-fn i32_of(v: usize, what: &str) -> Result<i32> {
+pub(crate) fn i32_of(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| anyhow::anyhow!("{what} = {v} does not fit the kernels' i32"))
 }
 
@@ -222,7 +244,7 @@ impl CudaOps {
         })
     }
 
-    fn check(&self, buf: &CudaSlice<u8>, elems: usize, what: &str) -> Result<()> {
+    pub(crate) fn check(&self, buf: &CudaSlice<u8>, elems: usize, what: &str) -> Result<()> {
         let need = elems * self.dtype.size();
         ensure!(
             buf.len() >= need,
@@ -275,12 +297,8 @@ impl CudaOps {
             i32_of(vocab_start, "vocab_start")?,
             i32_of(shard_rows, "vocab rows")?,
         );
-        let mut b = self.stream.launch_builder(&self.f.embedding);
-        b.arg(ids).arg(table).arg(out).arg(&h).arg(&vs).arg(&rows);
         // SAFETY: sizes checked above; the kernel reads ids[t] for t < grid.
-        unsafe { b.launch(rows_cfg(num_tokens, 256)) }
-            .map_err(|e| driver_error("launching embedding", e))?;
-        Ok(())
+        launch!(unsafe self, embedding, rows_cfg(num_tokens, 256); ids, table, out, &h, &vs, &rows)
     }
 
     pub fn rms_norm(
@@ -299,12 +317,9 @@ impl CudaOps {
         self.check(weight, hidden, "rms_norm weight")?;
         self.check(out, rows * hidden, "rms_norm out")?;
         let h = i32_of(hidden, "hidden")?;
-        let mut b = self.stream.launch_builder(&self.f.rms_norm);
-        b.arg(x).arg(weight).arg(out).arg(&h).arg(&eps);
         // SAFETY: sizes checked above.
-        unsafe { b.launch(rows_cfg(rows, row_threads(hidden))) }
-            .map_err(|e| driver_error("launching rms_norm", e))?;
-        Ok(())
+        launch!(unsafe self, rms_norm, rows_cfg(rows, row_threads(hidden));
+            x, weight, out, &h, &eps)
     }
 
     pub fn fused_add_rms_norm(
@@ -323,12 +338,9 @@ impl CudaOps {
         self.check(residual, rows * hidden, "fused_add_rms_norm residual")?;
         self.check(weight, hidden, "fused_add_rms_norm weight")?;
         let h = i32_of(hidden, "hidden")?;
-        let mut b = self.stream.launch_builder(&self.f.fused_add_rms_norm);
-        b.arg(x).arg(residual).arg(weight).arg(&h).arg(&eps);
         // SAFETY: sizes checked above.
-        unsafe { b.launch(rows_cfg(rows, row_threads(hidden))) }
-            .map_err(|e| driver_error("launching fused_add_rms_norm", e))?;
-        Ok(())
+        launch!(unsafe self, fused_add_rms_norm, rows_cfg(rows, row_threads(hidden));
+            x, residual, weight, &h, &eps)
     }
 
     /// In place over `num_heads_total` heads of `head_dim`.
@@ -349,12 +361,9 @@ impl CudaOps {
             i32_of(num_heads_total, "heads")?,
             i32_of(head_dim, "head_dim")?,
         );
-        let mut b = self.stream.launch_builder(&self.f.rms_norm_per_head);
-        b.arg(x).arg(weight).arg(&n).arg(&d).arg(&eps);
         // SAFETY: sizes checked above; 4 heads (warps) per block.
-        unsafe { b.launch(rows_cfg(num_heads_total.div_ceil(4), 128)) }
-            .map_err(|e| driver_error("launching rms_norm_per_head", e))?;
-        Ok(())
+        launch!(unsafe self, rms_norm_per_head, rows_cfg(num_heads_total.div_ceil(4), 128);
+            x, weight, &n, &d, &eps)
     }
 
     /// Neox rotary of q [T, q_heads, D] and k [T, k_heads, D] in place. Positions must
@@ -388,19 +397,9 @@ impl CudaOps {
             i32_of(head_dim, "head_dim")?,
             i32_of(rotary_dim, "rotary_dim")?,
         );
-        let mut b = self.stream.launch_builder(&self.f.rotary_embedding_neox);
-        b.arg(positions)
-            .arg(q)
-            .arg(k)
-            .arg(cos_sin)
-            .arg(&qh)
-            .arg(&kh)
-            .arg(&d)
-            .arg(&r);
         // SAFETY: sizes checked above; positions are checked by the caller.
-        unsafe { b.launch(rows_cfg(num_tokens, 256)) }
-            .map_err(|e| driver_error("launching rotary_embedding_neox", e))?;
-        Ok(())
+        launch!(unsafe self, rotary_embedding_neox, rows_cfg(num_tokens, 256);
+            positions, q, k, cos_sin, &qh, &kh, &d, &r)
     }
 
     /// [rows, 2d] → [rows, d].
@@ -417,12 +416,8 @@ impl CudaOps {
         self.check(x, rows * 2 * d, "silu_and_mul x")?;
         self.check(out, rows * d, "silu_and_mul out")?;
         let (r, dd) = (rows as i64, i32_of(d, "d")?);
-        let mut b = self.stream.launch_builder(&self.f.silu_and_mul);
-        b.arg(x).arg(out).arg(&r).arg(&dd);
         // SAFETY: sizes checked above.
-        unsafe { b.launch(grid_stride(rows * d, self.num_sms)) }
-            .map_err(|e| driver_error("launching silu_and_mul", e))?;
-        Ok(())
+        launch!(unsafe self, silu_and_mul, grid_stride(rows * d, self.num_sms); x, out, &r, &dd)
     }
 
     /// Writes K and V rows [T, kv_row] at their slots; negative slots are skipped.
@@ -448,17 +443,9 @@ impl CudaOps {
             "reshape_and_cache: K and V caches differ in size"
         );
         let row = i32_of(kv_row, "kv_row")?;
-        let mut b = self.stream.launch_builder(&self.f.reshape_and_cache);
-        b.arg(key)
-            .arg(value)
-            .arg(key_cache)
-            .arg(value_cache)
-            .arg(slot_mapping)
-            .arg(&row);
         // SAFETY: sizes checked above; slots are checked against the pool by the caller.
-        unsafe { b.launch(rows_cfg(num_tokens, 256)) }
-            .map_err(|e| driver_error("launching reshape_and_cache", e))?;
-        Ok(())
+        launch!(unsafe self, reshape_and_cache, rows_cfg(num_tokens, 256);
+            key, value, key_cache, value_cache, slot_mapping, &row)
     }
 
     /// q [T, Hq·D] from the fused projection `qkv` [T, (Hq + 2 Hkv)·D]: q and k normed
@@ -512,13 +499,9 @@ impl CudaOps {
             rotary_dim: i32_of(a.rotary_dim, "rotary_dim")?,
             eps: a.eps,
         };
-        let mut b = s.launch_builder(&self.f.qkv_prepare);
-        b.arg(&args);
         // SAFETY: sizes checked above; positions and slots are checked against the
         // rotary table and the cache by the caller.
-        unsafe { b.launch(rows_cfg(t, QKV_THREADS)) }
-            .map_err(|e| driver_error("launching qkv_prepare", e))?;
-        Ok(())
+        launch!(unsafe self, qkv_prepare, rows_cfg(t, QKV_THREADS); &args)
     }
 
     /// out [rows, width] = x[:, start..start + width] of x [rows, cols].
@@ -546,12 +529,9 @@ impl CudaOps {
             i32_of(start, "start")?,
             i32_of(width, "width")?,
         );
-        let mut b = self.stream.launch_builder(&self.f.split_cols);
-        b.arg(x).arg(out).arg(&r).arg(&c).arg(&s).arg(&w);
         // SAFETY: sizes checked above.
-        unsafe { b.launch(grid_stride(rows * width, self.num_sms)) }
-            .map_err(|e| driver_error("launching split_cols", e))?;
-        Ok(())
+        launch!(unsafe self, split_cols, grid_stride(rows * width, self.num_sms);
+            x, out, &r, &c, &s, &w)
     }
 
     /// out[i] = x[indices[i]] for `n` rows of `cols` (indices checked by the caller).
@@ -569,12 +549,8 @@ impl CudaOps {
         Self::check_ints(indices, n, "gather_rows indices")?;
         self.check(out, n * cols, "gather_rows out")?;
         let c = i32_of(cols, "cols")?;
-        let mut b = self.stream.launch_builder(&self.f.gather_rows);
-        b.arg(x).arg(indices).arg(out).arg(&c);
         // SAFETY: out checked above; indices are checked against x's rows by the caller.
-        unsafe { b.launch(rows_cfg(n, 256)) }
-            .map_err(|e| driver_error("launching gather_rows", e))?;
-        Ok(())
+        launch!(unsafe self, gather_rows, rows_cfg(n, 256); x, indices, out, &c)
     }
 
     /// y [rows, cols] += bias [cols].
@@ -591,12 +567,8 @@ impl CudaOps {
         self.check(y, rows * cols, "add_bias y")?;
         self.check(bias, cols, "add_bias bias")?;
         let (r, c) = (rows as i64, i32_of(cols, "cols")?);
-        let mut b = self.stream.launch_builder(&self.f.add_bias);
-        b.arg(y).arg(bias).arg(&r).arg(&c);
         // SAFETY: sizes checked above.
-        unsafe { b.launch(grid_stride(rows * cols, self.num_sms)) }
-            .map_err(|e| driver_error("launching add_bias", e))?;
-        Ok(())
+        launch!(unsafe self, add_bias, grid_stride(rows * cols, self.num_sms); y, bias, &r, &c)
     }
 
     /// Copies a `height` × `width_bytes` block between two device buffers with row pitches
@@ -655,12 +627,8 @@ impl CudaOps {
         }
         self.check(y, n, "fill")?;
         let nn = n as i64;
-        let mut b = self.stream.launch_builder(&self.f.fill);
-        b.arg(y).arg(&nn).arg(&value);
         // SAFETY: size checked above.
-        unsafe { b.launch(grid_stride(n, self.num_sms)) }
-            .map_err(|e| driver_error("launching fill", e))?;
-        Ok(())
+        launch!(unsafe self, fill, grid_stride(n, self.num_sms); y, &nn, &value)
     }
 
     /// Draws a region of a `--load-format dummy` tensor (see `dummy_fill` in copy.cu) into
@@ -684,16 +652,11 @@ impl CudaOps {
         self.check(y, at + n, "dummy_fill")?;
         let (ptr, _guard) = y.device_ptr_mut(&self.stream);
         let out = ptr + (at * self.dtype.size()) as u64;
-        let args = [full_cols, row0, col0, rows, cols].map(|v| v as i64);
-        let mut b = self.stream.launch_builder(&self.f.dummy_fill);
-        b.arg(&out).arg(&key).arg(&mean).arg(&scale);
-        for a in &args {
-            b.arg(a);
-        }
+        let [full_cols, row0, col0, rows, cols] =
+            [full_cols, row0, col0, rows, cols].map(|v| v as i64);
         // SAFETY: elements at..at + n lie inside `y` (checked above).
-        unsafe { b.launch(grid_stride(n, self.num_sms)) }
-            .map_err(|e| driver_error("launching dummy_fill", e))?;
-        Ok(())
+        launch!(unsafe self, dummy_fill, grid_stride(n, self.num_sms);
+            &out, &key, &mean, &scale, &full_cols, &row0, &col0, &rows, &cols)
     }
 
     /// Paged attention of q [T, Hq, D] over the caches, into out [T, Hq, D]: the decode
@@ -828,14 +791,10 @@ impl CudaOps {
                 block_dim: (DEC_THREADS, 1, 1),
                 shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
             };
-            let mut b = self
-                .stream
-                .launch_builder(&self.f.paged_attention_decode[d_index][plan.decode_group_index()]);
-            b.arg(&args);
             // SAFETY: buffer sizes checked by `paged_attention`; block tables and seq_lens
             // are checked on the host by the caller, which holds their host copies.
-            unsafe { b.launch(cfg) }
-                .map_err(|e| driver_error("launching paged_attention_decode", e))?;
+            let func = &self.f.paged_attention_decode[d_index][plan.decode_group_index()];
+            launch!(unsafe self, func => "paged_attention_decode", cfg; &args)?;
         }
         if let (Some(po), Some(pm)) = (&part_o, &part_ml) {
             let (nd, hq, d, np) = (
@@ -844,26 +803,10 @@ impl CudaOps {
                 i32_of(dims.head_dim, "head_dim")?,
                 i32_of(parts, "partitions")?,
             );
-            let mut b = self
-                .stream
-                .launch_builder(&self.f.paged_attention_decode_combine);
-            b.arg(po)
-                .arg(pm)
-                .arg(meta.decode_seqs)
-                .arg(meta.query_start_loc)
-                .arg(out)
-                .arg(&nd)
-                .arg(&hq)
-                .arg(&d)
-                .arg(&np);
             // SAFETY: partials sized for (partitions, decode rows) above.
-            unsafe {
-                b.launch(rows_cfg(
-                    num_decode * dims.num_q_heads,
-                    dims.head_dim as u32,
-                ))
-            }
-            .map_err(|e| driver_error("launching paged_attention_decode_combine", e))?;
+            let cfg = rows_cfg(num_decode * dims.num_q_heads, dims.head_dim as u32);
+            launch!(unsafe self, paged_attention_decode_combine, cfg;
+                po, pm, meta.decode_seqs, meta.query_start_loc, out, &nd, &hq, &d, &np)?;
         }
         Ok(())
     }
@@ -907,12 +850,8 @@ impl CudaOps {
             block_dim: (PF_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(func);
-        b.arg(&args);
         // SAFETY: as in `attention_decode`.
-        unsafe { b.launch(cfg) }
-            .map_err(|e| driver_error("launching paged_attention_prefill", e))?;
-        Ok(())
+        launch!(unsafe self, func => "paged_attention_prefill", cfg; &args)
     }
 
     fn attention_tiles_cuda_core(
@@ -976,11 +915,9 @@ impl CudaOps {
                 block_dim: (ATT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = self.stream.launch_builder(func);
-            b.arg(&args);
             // SAFETY: as in `attention_decode`. The pointer guards end with this scope,
             // before `out` is borrowed again.
-            unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching paged_attention", e))?;
+            launch!(unsafe self, func => "paged_attention", cfg; &args)?;
         }
         if let (Some(po), Some(pm)) = (&part_o, &part_ml) {
             let (nr, d, ns) = (
@@ -988,11 +925,9 @@ impl CudaOps {
                 i32_of(dims.head_dim, "head_dim")?,
                 i32_of(splits, "splits")?,
             );
-            let mut b = self.stream.launch_builder(&self.f.paged_attention_combine);
-            b.arg(po).arg(pm).arg(out).arg(&nr).arg(&d).arg(&ns);
             // SAFETY: partials sized for (splits, rows) above.
-            unsafe { b.launch(rows_cfg(rows, dims.head_dim as u32)) }
-                .map_err(|e| driver_error("launching paged_attention_combine", e))?;
+            launch!(unsafe self, paged_attention_combine, rows_cfg(rows, dims.head_dim as u32);
+                po, pm, out, &nr, &d, &ns)?;
         }
         Ok(())
     }

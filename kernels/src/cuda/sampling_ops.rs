@@ -10,10 +10,10 @@
 //! rest take `sample_tokens_ex` (one block per row). Both give the CPU sampler's tokens.
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::device::driver_error;
-use super::ops::CudaOps;
+use super::ops::{launch, CudaOps};
 
 /// Most top logprobs per row (vLLM's `max_logprobs` default, `MAX_LOGPROBS` in sampling.cu).
 pub const MAX_LOGPROBS: usize = 20;
@@ -281,42 +281,24 @@ impl CudaOps {
             block_dim: (FAST_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.f.sample_fast_max);
-        b.arg(logits)
-            .arg(&vocab)
-            .arg(params)
-            .arg(&mut part_val)
-            .arg(&mut part_id)
-            .arg(&mut counters)
-            .arg(&mut row_max)
-            .arg(&mut row_fallback)
-            .arg(&mut *tokens);
         // SAFETY: the caller checked the logits size; the scratch holds rows × chunks
         // partials and one counter, max and fallback per row, as the kernel indexes them.
-        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching sample_fast_max", e))?;
+        launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, params, &mut part_val,
+            &mut part_id, &mut counters, &mut row_max, &mut row_fallback, &mut *tokens)?;
         if !draw {
             return Ok(());
         }
         let mut part_mass = unsafe { self.stream.alloc::<f64>(n) }.map_err(alloc_err)?;
         let mut part_last = unsafe { self.stream.alloc::<i32>(n) }.map_err(alloc_err)?;
-        let mut b = self.stream.launch_builder(&self.f.sample_fast_draw);
-        b.arg(logits)
-            .arg(&vocab)
-            .arg(params)
-            .arg(&row_max)
-            .arg(&row_fallback)
-            .arg(&mut part_mass)
-            .arg(&mut part_last)
-            .arg(&mut counters)
-            .arg(&mut *tokens);
         // SAFETY: as above.
-        unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching sample_fast_draw", e))?;
-        Ok(())
+        launch!(unsafe self, sample_fast_draw, cfg; logits, &vocab, params, &row_max,
+            &row_fallback, &mut part_mass, &mut part_last, &mut counters, &mut *tokens)
     }
 
     /// Processes, samples and (where asked) computes raw logprobs of logits rows
     /// [batch.rows.len(), vocab], in one launch of one block per row for the general rows
-    /// and two split-row launches for the fast ones; the logits are not modified. `poison` fills the outputs with NaN / -1 first (tests).
+    /// and two split-row launches for the fast ones; the logits are not modified. `poison`
+    /// fills the outputs with NaN / -1 first (tests).
     pub fn sample_tokens_ex(
         &self,
         logits: &CudaSlice<u8>,
@@ -359,16 +341,6 @@ impl CudaOps {
             let entries = self.upload_padded(batch.entries, LogitEntry::default())?;
             let biases = self.upload_padded(batch.biases, 0.0f32)?;
             let mut values = self.output(batch.entries.len(), poison.then_some(f32::NAN))?;
-            let func = &self.f.sample_tokens_ex;
-            let mut b = self.stream.launch_builder(func);
-            b.arg(logits)
-                .arg(&v)
-                .arg(&params)
-                .arg(&entries)
-                .arg(&biases)
-                .arg(&mut values)
-                .arg(&mut tokens)
-                .arg(&mut logprobs);
             let cfg = LaunchConfig {
                 grid_dim: (rows as u32, 1, 1),
                 block_dim: (1024, 1, 1),
@@ -376,7 +348,8 @@ impl CudaOps {
             };
             // SAFETY: the logits size is checked above, and `validate` checked every index
             // the kernel follows (entry and bias ranges, tokens < vocab, logprobs slots).
-            unsafe { b.launch(cfg) }.map_err(|e| driver_error("launching sample_tokens_ex", e))?;
+            launch!(unsafe self, sample_tokens_ex, cfg; logits, &v, &params, &entries, &biases,
+                &mut values, &mut tokens, &mut logprobs)?;
         }
         if fast > 0 {
             self.sample_fast(logits, v, rows, &params, fast_draw, &mut tokens)?;

@@ -11,6 +11,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("cache.cu", include_str!("csrc/cache.cu")),
     ("qkv_prepare.cu", include_str!("csrc/qkv_prepare.cu")),
     ("copy.cu", include_str!("csrc/copy.cu")),
+    ("gemv.cu", include_str!("csrc/gemv.cu")),
     ("attention.cu", include_str!("csrc/attention.cu")),
     (
         "attention_decode.cu",

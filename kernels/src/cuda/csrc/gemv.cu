@@ -1,0 +1,124 @@
+// Thin GEMMs of decode steps: out[m, n] = sum_k x[m, k] * w[n, k] for M <= 8 rows of x.
+//
+// At a handful of rows a GEMM is a stream of the weights: cuBLAS picks split-K tiles for
+// these shapes and moves about 1 TB/s. Here each warp owns R whole rows of w and reads
+// them in 16-byte chunks, four chunks per lane in flight, bypassing L1 so that x (M rows,
+// a few KB, read by every warp) stays there. Sums are in f32 and each lane's partial
+// sums are reduced across the warp at the end, so one output is rounded once.
+//
+// Contract (checked by the host, gemv.rs): k is a multiple of GEMV_VEC, and x, w and out
+// start 16-byte aligned.
+
+#define GEMV_WARPS 8
+constexpr int GEMV_VEC = 16 / (int)sizeof(scalar_t);
+constexpr int GEMV_UNROLL = 4;
+
+// A 16-byte chunk of weights: read once, so not kept in L1.
+__device__ __forceinline__ uint4 load_streamed(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// The GEMV_VEC elements of a chunk as f32.
+__device__ __forceinline__ void unpack(const uint4& v, float* f) {
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#if defined(VLLM_DTYPE_F32)
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] = __uint_as_float(w[i]);
+#else
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = to_f32((u16)(w[i] & 0xffffu));
+        f[2 * i + 1] = to_f32((u16)(w[i] >> 16));
+    }
+#endif
+}
+
+// acc[m][r] += x[m, chunk c] . w[row r, chunk c]
+template <int M, int R>
+__device__ __forceinline__ void gemv_chunk(const uint4 (&wv)[R], const uint4* __restrict__ xv,
+                                           int chunks, int c, float (&acc)[M][R]) {
+    float wf[R][GEMV_VEC];
+#pragma unroll
+    for (int r = 0; r < R; r++) unpack(wv[r], wf[r]);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float xf[GEMV_VEC];
+        unpack(__ldg(xv + m * chunks + c), xf);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+#pragma unroll
+            for (int j = 0; j < GEMV_VEC; j++) acc[m][r] = fmaf(xf[j], wf[r][j], acc[m][r]);
+        }
+    }
+}
+
+template <int M, int R>
+__device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
+                                     const scalar_t* __restrict__ w,
+                                     scalar_t* __restrict__ out, int k, int n) {
+    const int lane = threadIdx.x & 31;
+    const long long row0 = ((long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
+    if (row0 >= n) return;
+    const int chunks = k / GEMV_VEC;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    // Rows past n (the last warp of an odd n) re-read the last row and are not written.
+    const uint4* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const long long row = row0 + r < n ? row0 + r : n - 1;
+        wr[r] = reinterpret_cast<const uint4*>(w + row * k);
+    }
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[m][r] = 0.f;
+    }
+    int c = lane;
+    // Every load of GEMV_UNROLL chunks is issued before the first is used.
+    for (; c + (GEMV_UNROLL - 1) * 32 < chunks; c += GEMV_UNROLL * 32) {
+        uint4 wv[GEMV_UNROLL][R];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+#pragma unroll
+            for (int r = 0; r < R; r++) wv[u][r] = load_streamed(wr[r] + c + u * 32);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) gemv_chunk<M, R>(wv[u], xv, chunks, c + u * 32, acc);
+    }
+    for (; c < chunks; c += 32) {
+        uint4 wv[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) wv[r] = load_streamed(wr[r] + c);
+        gemv_chunk<M, R>(wv, xv, chunks, c, acc);
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = warp_sum(acc[m][r]);
+            if (lane == 0 && row0 + r < n) out[(long long)m * n + row0 + r] = from_f32(s);
+        }
+    }
+}
+
+// gemv_m{M}_r{R}: M rows of x, R rows of w per warp, GEMV_WARPS warps per block.
+#define GEMV_KERNEL(M, R)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                           \
+        gemv_m##M##_r##R(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,    \
+                         scalar_t* __restrict__ out, int k, int n) {                        \
+        gemv<M, R>(x, w, out, k, n);                                                        \
+    }
+#define GEMV_KERNELS(M) GEMV_KERNEL(M, 1) GEMV_KERNEL(M, 2)
+GEMV_KERNELS(1)
+GEMV_KERNELS(2)
+GEMV_KERNELS(3)
+GEMV_KERNELS(4)
+GEMV_KERNELS(5)
+GEMV_KERNELS(6)
+GEMV_KERNELS(7)
+GEMV_KERNELS(8)

@@ -1,0 +1,87 @@
+//! Thin GEMMs by our own kernel (`csrc/gemv.cu`): `out [m, n] = x [m, k] · w [n, k]ᵀ` for
+//! the few rows of a decode step, where a GEMM is a stream of the weights and cuBLAS's
+//! split-K tiles leave two thirds of the bandwidth unused (docs/BENCHMARKS.md).
+
+use anyhow::{ensure, Result};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+
+use super::ops::{launch, CudaOps};
+
+/// The most rows of x the kernel takes; above it, the GEMM has reuse for tensor cores.
+pub const GEMV_MAX_M: usize = 8;
+/// Warps per block (`GEMV_WARPS` of gemv.cu).
+const GEMV_WARPS: usize = 8;
+
+impl CudaOps {
+    /// Whether `gemv` takes this product: at most `GEMV_MAX_M` rows, rows of whole 16-byte
+    /// chunks, and 16-byte aligned buffers.
+    pub fn gemv_fits(&self, bufs: [&CudaSlice<u8>; 3], m: usize, k: usize) -> bool {
+        let vec = 16 / self.dtype.size();
+        (1..=GEMV_MAX_M).contains(&m)
+            && k.is_multiple_of(vec)
+            && bufs.iter().all(|b| {
+                let (p, _g) = b.device_ptr(&self.stream);
+                p.is_multiple_of(16)
+            })
+    }
+
+    /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `gemv_fits` takes.
+    pub fn gemv(
+        &self,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.gemv_with_rows(x, w, out, (m, k, n), self.gemv_rows_per_warp(m, n))
+    }
+
+    /// Rows of w per warp: two halve the reads of x, which matter from four rows of x on,
+    /// as long as the grid still fills the GPU.
+    fn gemv_rows_per_warp(&self, m: usize, n: usize) -> usize {
+        let blocks_of_two = n.div_ceil(2 * GEMV_WARPS);
+        if m >= 4 && blocks_of_two >= 2 * self.num_sms {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// `gemv` with the rows of w per warp chosen by the caller (1 or 2; the benchmark).
+    pub fn gemv_with_rows(
+        &self,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        (m, k, n): (usize, usize, usize),
+        rows_per_warp: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        ensure!(
+            self.gemv_fits([x, w, out], m, k),
+            "gemv: [{m}x{k}]·[{n}x{k}]ᵀ is not a thin aligned product"
+        );
+        ensure!(
+            (1..=2).contains(&rows_per_warp),
+            "gemv: {rows_per_warp} rows per warp"
+        );
+        self.check(x, m * k, "gemv x")?;
+        self.check(w, n * k, "gemv w")?;
+        self.check(out, m * n, "gemv out")?;
+        let (ki, ni) = (super::ops::i32_of(k, "k")?, super::ops::i32_of(n, "n")?);
+        let rows_per_block = GEMV_WARPS * rows_per_warp;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(rows_per_block) as u32, 1, 1),
+            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: sizes and alignment checked above; the kernel reads x [m, k] and
+        // w [n, k] and writes out [m, n].
+        launch!(unsafe self, &self.f.gemv[m - 1][rows_per_warp - 1] => "gemv", cfg;
+            x, w, out, &ki, &ni)
+    }
+}

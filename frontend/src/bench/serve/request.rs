@@ -25,9 +25,9 @@ pub struct RequestOutcome {
     /// Prompt tokens, as the server's `usage` counts them.
     pub prompt_len: usize,
     pub output_tokens: usize,
-    /// From sending the request to the first chunk with text.
+    /// From sending the request to the first chunk with a choice.
     pub ttft: Duration,
-    /// Gaps between consecutive chunks with text after the first.
+    /// Gaps between consecutive chunks with a choice after the first.
     pub itl: Vec<Duration>,
     /// From sending to the last event.
     pub latency: Duration,
@@ -98,11 +98,11 @@ async fn stream(
                 outcome.prompt_len = usage["prompt_tokens"].as_u64().unwrap_or(0) as usize;
                 outcome.output_tokens = usage["completion_tokens"].as_u64().unwrap_or(0) as usize;
             }
-            let has_text = event["choices"].as_array().is_some_and(|c| {
-                c.iter()
-                    .any(|c| c["text"].as_str().is_some_and(|t| !t.is_empty()))
-            });
-            if has_text {
+            // A chunk with a choice carries tokens even when its text is empty (special
+            // tokens, bytes of an unfinished character), as vLLM's bench counts them; only
+            // the usage event has none.
+            let has_tokens = event["choices"].as_array().is_some_and(|c| !c.is_empty());
+            if has_tokens {
                 let now = Instant::now();
                 match last_chunk {
                     None => outcome.ttft = now - start,
@@ -166,5 +166,68 @@ mod tests {
         );
         assert_eq!(sse.push(b": comment\n\n"), Vec::<String>::new());
         assert_eq!(sse.push(b"data:x\ndata: y\n\n"), vec!["x\ny"]);
+    }
+
+    /// Serves one streamed completion whose token chunks all have empty text (a model
+    /// that emits special tokens only), then closes.
+    async fn serve_empty_text_stream() -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/completions", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            // Read the whole request (headers, then the body its content-length gives).
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = sock.read(&mut buf).await.unwrap();
+                request.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&request).to_lowercase();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let length = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    if request.len() >= end + 4 + length {
+                        break;
+                    }
+                }
+            }
+            let chunk = |finish: &str| {
+                format!("data: {{\"choices\": [{{\"index\": 0, \"text\": \"\", \"finish_reason\": {finish}}}]}}\n\n")
+            };
+            let mut body = String::new();
+            for _ in 0..3 {
+                body.push_str(&chunk("null"));
+            }
+            body.push_str(&chunk("\"length\""));
+            body.push_str("data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 2, \"completion_tokens\": 4}}\n\n");
+            body.push_str("data: [DONE]\n\n");
+            let head =
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
+            sock.write_all(format!("{head}{body}").as_bytes())
+                .await
+                .unwrap();
+            sock.shutdown().await.unwrap();
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn chunks_with_empty_text_still_carry_tokens() {
+        let url = serve_empty_text_stream().await;
+        let spec = RequestSpec {
+            prompt: json!([1, 2]),
+            max_tokens: 4,
+            ignore_eos: true,
+            temperature: 0.0,
+        };
+        let outcome = send(&reqwest::Client::new(), &url, "m", &spec).await;
+        assert!(outcome.success, "{}", outcome.error);
+        assert_eq!((outcome.prompt_len, outcome.output_tokens), (2, 4));
+        // Four chunks with a choice: a first token and three gaps; the usage event is none.
+        assert_eq!(outcome.itl.len(), 3);
+        assert!(outcome.ttft > Duration::ZERO);
     }
 }

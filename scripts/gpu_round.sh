@@ -4,6 +4,7 @@
 #   scripts/gpu_round.sh [stage…]     stages: info kernels model serve serve-quick parity
 #                                     parity32 bench offline-bench profile latency-8b
 #                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
+#                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
@@ -323,6 +324,7 @@ for s in $STAGES; do
     offline-bench) stage offline-bench offline_bench "$MODELS/qwen3-0.6b" ;;
     profile) stage profile profile_stage ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
+    gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::decode_latency_bench --ignored --nocapture ;;
     latency-8b) stage latency-8b latency_8b ;;
     tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;

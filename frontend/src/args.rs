@@ -1,6 +1,7 @@
 //! `EngineArgs`: the engine flags shared by `serve`, `generate` and `bench`, with vLLM's
 //! names and defaults, and their translation into the configs each process is started
-//! with. Built once from the command line and passed down; nothing reads flags later.
+//! with; and `SamplingFlags`, those the offline commands share. Built once from the
+//! command line and passed down; nothing reads flags later.
 
 use std::path::{Path, PathBuf};
 
@@ -286,5 +287,33 @@ impl EngineArgs {
             num_gpu_blocks_override: self.num_gpu_blocks_override,
             execute_model_timeout_s: self.execute_model_timeout,
         })
+    }
+}
+
+/// The sampling flags of the offline commands (`generate`, `bench throughput`).
+#[derive(Debug, clap::Args)]
+pub struct SamplingFlags {
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 or -1 disables top-k.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: i32,
+    /// Generate every request's full max_tokens whatever tokens it samples.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+impl SamplingFlags {
+    /// Request parameters with these flags, the rest at their defaults.
+    pub fn params(&self) -> vllm_protocol::SamplingParams {
+        vllm_protocol::SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            ignore_eos: self.ignore_eos,
+            ..Default::default()
+        }
     }
 }

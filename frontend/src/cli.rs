@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use crate::args::EngineArgs;
+use crate::args::{EngineArgs, SamplingFlags};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -110,34 +110,6 @@ pub struct GenerateArgs {
     /// Seed of this request's sampling.
     #[arg(long = "sampling-seed")]
     pub sampling_seed: Option<u64>,
-}
-
-/// The sampling flags of the offline commands (`generate`, `bench throughput`).
-#[derive(Debug, clap::Args)]
-pub struct SamplingFlags {
-    #[arg(long, default_value_t = 1.0)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// 0 or -1 disables top-k.
-    #[arg(long, default_value_t = 0)]
-    pub top_k: i32,
-    /// Generate every request's full max_tokens whatever tokens it samples.
-    #[arg(long)]
-    pub ignore_eos: bool,
-}
-
-impl SamplingFlags {
-    /// Request parameters with these flags, the rest at their defaults.
-    pub fn params(&self) -> vllm_protocol::SamplingParams {
-        vllm_protocol::SamplingParams {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            ignore_eos: self.ignore_eos,
-            ..Default::default()
-        }
-    }
 }
 
 #[derive(Debug, clap::Args)]

@@ -10,9 +10,8 @@ use vllm_protocol::SamplingParams;
 
 use super::dataset::{self, DatasetRow};
 use super::{drain, progress_bar, random_vocab, submit, write_json};
-use crate::args::EngineArgs;
+use crate::args::{EngineArgs, SamplingFlags};
 use crate::async_llm::AsyncLLM;
-use crate::cli::SamplingFlags;
 
 /// Random prompts when --dataset is absent and --num-prompts is not given (vLLM's default).
 const DEFAULT_RANDOM_PROMPTS: usize = 1000;

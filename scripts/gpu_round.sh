@@ -325,7 +325,7 @@ for s in $STAGES; do
     profile) stage profile profile_stage ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
-    graphs) stage graphs "$G/worker_tests" backend::cuda::tests::decode_latency_bench --ignored --nocapture ;;
+    graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;
     latency-8b) stage latency-8b latency_8b ;;
     tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;
     tp-serve) stage tp-serve tp_serve ;;

@@ -16,7 +16,7 @@ and saves it as safetensors in bf16. Then:
   attention, on the same greedy task. Two bf16 implementations of one model that differ
   only in the attention's rounding show how often these weights' near-ties flip anyway.
 
-vllm-rs's side runs through the worker's test binary (`backend::cuda::tests::hf_parity_dump`,
+vllm-rs's side runs through the worker's test binary (`backend::cuda::tests::parity::hf_parity_dump`,
 which drives the model through the CUDA backend with paged KV, chunked prefill and batched
 decode). Usage:
 
@@ -112,7 +112,7 @@ def ours(test_bin, model_dir, prompts, work, dtype, attention):
         VLLM_PARITY_ATTENTION=attention,
         VLLM_REQUIRE_GPU="1",
     )
-    cmd = [test_bin, "--ignored", "--exact", "backend::cuda::tests::hf_parity_dump", "--nocapture"]
+    cmd = [test_bin, "--ignored", "--exact", "backend::cuda::tests::parity::hf_parity_dump", "--nocapture"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])

@@ -8,9 +8,8 @@
 use std::collections::HashMap;
 
 use crate::block_hash::BlockHash;
+use crate::block_id::BlockId;
 use crate::free_block_queue::FreeBlockQueue;
-
-pub type BlockId = u32;
 
 #[derive(Debug, Clone, Default)]
 struct KvCacheBlock {

@@ -4,7 +4,7 @@
 //! front (the least recently freed block is evicted first), push to the back, and removal
 //! from the middle (a cache hit revives a free block that still holds its hash).
 
-use crate::block_pool::BlockId;
+use crate::block_id::BlockId;
 
 const NIL: u32 = u32::MAX;
 

@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 
 use crate::block_hash::BlockHash;
-use crate::block_pool::{BlockId, BlockPool};
+use crate::block_id::BlockId;
+use crate::block_pool::BlockPool;
 use crate::request::Request;
 
 /// The cached prefix a waiting request can reuse.

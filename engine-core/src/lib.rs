@@ -1,6 +1,7 @@
 //! The engine-core.
 
 pub mod block_hash;
+pub mod block_id;
 pub mod block_pool;
 pub mod config;
 pub mod engine_core;

@@ -23,7 +23,7 @@ pub use config::{SchedulerConfig, SchedulingPolicy};
 use fair_share::Shares;
 use request_queue::RequestQueue;
 
-use crate::block_pool::BlockId;
+use crate::block_id::BlockId;
 use crate::kv_cache_manager::KvCacheManager;
 use crate::request::{Request, RequestStatus};
 

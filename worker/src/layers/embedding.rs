@@ -6,9 +6,10 @@ use std::borrow::Cow;
 
 use anyhow::Result;
 
+use super::var_builder::VarBuilder;
 use super::TensorParallel;
 use crate::backend::Backend;
-use crate::weights::{WeightTensor, Weights};
+use crate::weights::WeightTensor;
 
 /// `(start, len)` of this rank's vocabulary slice: ceil(vocab / tp) rows, the last rank
 /// keeping what is left.
@@ -24,18 +25,12 @@ pub struct VocabParallelEmbedding<B: Backend> {
 }
 
 impl<B: Backend> VocabParallelEmbedding<B> {
-    pub fn load(
-        b: &B,
-        weights: &Weights,
-        name: &str,
-        vocab: usize,
-        hidden: usize,
-        tp: TensorParallel,
-    ) -> Result<Self> {
-        let (start, len) = vocab_shard(vocab, tp);
-        let w = weights.get(name, &[vocab, hidden])?.narrow(0, start, len);
+    /// Loads `weight` [vocab, hidden] of the module `vb` and keeps this rank's rows.
+    pub fn load(vb: &VarBuilder<B>, vocab: usize, hidden: usize) -> Result<Self> {
+        let (start, len) = vocab_shard(vocab, vb.tp);
+        let w = vb.get("weight", &[vocab, hidden])?.narrow(0, start, len);
         Ok(Self {
-            weight: b.upload_weight(&w)?,
+            weight: vb.upload(&w)?,
             vocab_start: start,
         })
     }
@@ -57,24 +52,20 @@ pub struct ParallelLMHead<B: Backend> {
 }
 
 impl<B: Backend> ParallelLMHead<B> {
-    pub fn load(
-        b: &B,
-        weights: &Weights,
-        name: &str,
-        vocab: usize,
-        hidden: usize,
-        tp: TensorParallel,
-    ) -> Result<Self> {
+    /// Loads `weight` [vocab, hidden] of the module `vb` (`lm_head`, or the embedding when
+    /// tied) and keeps this rank's padded rows.
+    pub fn load(vb: &VarBuilder<B>, vocab: usize, hidden: usize) -> Result<Self> {
+        let tp = vb.tp;
         let (start, len) = vocab_shard(vocab, tp);
         let per_rank = vocab.div_ceil(tp.size);
-        let mut w = weights.get(name, &[vocab, hidden])?.narrow(0, start, len);
+        let mut w = vb.get("weight", &[vocab, hidden])?.narrow(0, start, len);
         if len < per_rank {
             let zeros = vec![0u8; (per_rank - len) * hidden * w.dtype.size()];
             let pad = WeightTensor::new(vec![per_rank - len, hidden], w.dtype, Cow::Owned(zeros));
             w = WeightTensor::cat_rows(vec![w, pad]);
         }
         Ok(Self {
-            weight: b.upload_weight(&w)?,
+            weight: vb.upload(&w)?,
             vocab,
             padded_vocab: per_rank * tp.size,
         })

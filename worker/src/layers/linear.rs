@@ -7,12 +7,12 @@
 
 use anyhow::{ensure, Result};
 
-use super::TensorParallel;
+use super::var_builder::VarBuilder;
 use crate::backend::Backend;
-use crate::weights::{WeightTensor, Weights};
+use crate::weights::WeightTensor;
 
-/// Fused q, k, v projection. Loads `<prefix>.{q,k,v}_proj.{weight,bias}` and keeps this
-/// rank's heads; when tp size exceeds the kv heads, each rank keeps one replicated kv head.
+/// Fused q, k, v projection. Loads `{q,k,v}_proj.{weight,bias}` of the attention module
+/// and keeps this rank's heads; when tp size exceeds the kv heads, each rank keeps one replicated kv head.
 pub struct QKVParallelLinear<B: Backend> {
     weight: B::Tensor,
     bias: Option<B::Tensor>,
@@ -22,18 +22,13 @@ pub struct QKVParallelLinear<B: Backend> {
 }
 
 impl<B: Backend> QKVParallelLinear<B> {
-    #[allow(clippy::too_many_arguments)]
     pub fn load(
-        b: &B,
-        weights: &Weights,
-        prefix: &str,
+        vb: &VarBuilder<B>,
         hidden: usize,
-        total_heads: usize,
-        total_kv_heads: usize,
-        head_dim: usize,
+        (total_heads, total_kv_heads, head_dim): (usize, usize, usize),
         bias: bool,
-        tp: TensorParallel,
     ) -> Result<Self> {
+        let tp = vb.tp;
         let (q_head0, num_heads) = tp.even_shard(total_heads, "num_attention_heads")?;
         let (kv_head0, num_kv_heads) = if tp.size >= total_kv_heads {
             ensure!(
@@ -50,14 +45,11 @@ impl<B: Backend> QKVParallelLinear<B> {
                     head0: usize,
                     heads: usize|
          -> Result<(WeightTensor<'_>, Option<WeightTensor<'_>>)> {
-            let w = weights.get(
-                &format!("{prefix}.{name}.weight"),
-                &[heads_total * head_dim, hidden],
-            )?;
+            let proj = vb.pp(name);
+            let w = proj.get("weight", &[heads_total * head_dim, hidden])?;
             let w = w.narrow(0, head0 * head_dim, heads * head_dim);
             let bias_t = if bias {
-                let bt =
-                    weights.get(&format!("{prefix}.{name}.bias"), &[heads_total * head_dim])?;
+                let bt = proj.get("bias", &[heads_total * head_dim])?;
                 Some(bt.narrow(0, head0 * head_dim, heads * head_dim))
             } else {
                 None
@@ -66,12 +58,10 @@ impl<B: Backend> QKVParallelLinear<B> {
         };
         let (qw, qb) = part("q_proj", total_heads, q_head0, num_heads)?;
         let (kw, kb) = part("k_proj", total_kv_heads, kv_head0, num_kv_heads)?;
-        let (vw, vb) = part("v_proj", total_kv_heads, kv_head0, num_kv_heads)?;
-        let weight = b.upload_weight(&WeightTensor::cat_rows(vec![qw, kw, vw]))?;
-        let bias = match (qb, kb, vb) {
-            (Some(q), Some(k), Some(v)) => {
-                Some(b.upload_weight(&WeightTensor::cat_rows(vec![q, k, v]))?)
-            }
+        let (vw, v_bias) = part("v_proj", total_kv_heads, kv_head0, num_kv_heads)?;
+        let weight = vb.upload(&WeightTensor::cat_rows(vec![qw, kw, vw]))?;
+        let bias = match (qb, kb, v_bias) {
+            (Some(q), Some(k), Some(v)) => Some(vb.upload(&WeightTensor::cat_rows(vec![q, k, v]))?),
             _ => None,
         };
         Ok(Self {
@@ -97,22 +87,16 @@ pub struct MergedColumnParallelLinear<B: Backend> {
 }
 
 impl<B: Backend> MergedColumnParallelLinear<B> {
-    /// Loads each `names[i]` of shape [out, input] and keeps this rank's rows of each.
-    pub fn load(
-        b: &B,
-        weights: &Weights,
-        names: &[String],
-        input: usize,
-        out: usize,
-        tp: TensorParallel,
-    ) -> Result<Self> {
-        let (start, len) = tp.even_shard(out, "intermediate_size")?;
+    /// Loads the `weight` [out, input] of each sub-module `names[i]` of `vb` and keeps
+    /// this rank's rows of each.
+    pub fn load(vb: &VarBuilder<B>, names: &[&str], input: usize, out: usize) -> Result<Self> {
+        let (start, len) = vb.tp.even_shard(out, "intermediate_size")?;
         let parts = names
             .iter()
-            .map(|n| Ok(weights.get(n, &[out, input])?.narrow(0, start, len)))
+            .map(|n| Ok(vb.pp(n).get("weight", &[out, input])?.narrow(0, start, len)))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            weight: b.upload_weight(&WeightTensor::cat_rows(parts))?,
+            weight: vb.upload(&WeightTensor::cat_rows(parts))?,
         })
     }
 
@@ -134,19 +118,13 @@ pub struct RowParallelLinear<B: Backend> {
 }
 
 impl<B: Backend> RowParallelLinear<B> {
-    /// Loads `name` of shape [out, input] and keeps this rank's columns.
-    pub fn load(
-        b: &B,
-        weights: &Weights,
-        name: &str,
-        input: usize,
-        out: usize,
-        tp: TensorParallel,
-    ) -> Result<Self> {
-        let (start, len) = tp.even_shard(input, name)?;
-        let w = weights.get(name, &[out, input])?.narrow(1, start, len);
+    /// Loads `weight` [out, input] of the module `vb` and keeps this rank's columns.
+    pub fn load(vb: &VarBuilder<B>, input: usize, out: usize) -> Result<Self> {
+        let name = vb.name("weight");
+        let (start, len) = vb.tp.even_shard(input, &name)?;
+        let w = vb.get("weight", &[out, input])?.narrow(1, start, len);
         Ok(Self {
-            weight: b.upload_weight(&w)?,
+            weight: vb.upload(&w)?,
         })
     }
 

@@ -7,6 +7,7 @@ pub mod embedding;
 pub mod linear;
 pub mod norm;
 pub mod rotary;
+pub mod var_builder;
 
 /// This rank's place in the tensor-parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,8 +2,8 @@
 
 use anyhow::Result;
 
+use super::var_builder::VarBuilder;
 use crate::backend::Backend;
-use crate::weights::Weights;
 
 pub struct RmsNorm<B: Backend> {
     weight: B::Tensor,
@@ -11,10 +11,10 @@ pub struct RmsNorm<B: Backend> {
 }
 
 impl<B: Backend> RmsNorm<B> {
-    /// Loads `<name>` of shape [dim].
-    pub fn load(b: &B, weights: &Weights, name: &str, dim: usize, eps: f64) -> Result<Self> {
+    /// Loads `weight` [dim] of the norm module `vb`.
+    pub fn load(vb: &VarBuilder<B>, dim: usize, eps: f64) -> Result<Self> {
         Ok(Self {
-            weight: b.upload_weight(&weights.get(name, &[dim])?)?,
+            weight: vb.upload(&vb.get("weight", &[dim])?)?,
             eps: eps as f32,
         })
     }

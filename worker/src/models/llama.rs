@@ -15,6 +15,7 @@ use crate::layers::embedding::{ParallelLMHead, VocabParallelEmbedding};
 use crate::layers::linear::{MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear};
 use crate::layers::norm::RmsNorm;
 use crate::layers::rotary::RotaryEmbedding;
+use crate::layers::var_builder::VarBuilder;
 use crate::layers::TensorParallel;
 use crate::weights::Weights;
 
@@ -43,50 +44,17 @@ struct LlamaAttention<B: Backend> {
 }
 
 impl<B: Backend> LlamaAttention<B> {
-    fn load(
-        b: &B,
-        w: &Weights,
-        cfg: &ModelConfig,
-        prefix: &str,
-        variant: DecoderVariant,
-        tp: TensorParallel,
-    ) -> Result<Self> {
+    /// Loads the `self_attn` module `vb`.
+    fn load(vb: &VarBuilder<B>, cfg: &ModelConfig, variant: DecoderVariant) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
-        let qkv_proj = QKVParallelLinear::load(
-            b,
-            w,
-            prefix,
-            h,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            d,
-            variant.qkv_bias,
-            tp,
-        )?;
-        let o_proj = RowParallelLinear::load(
-            b,
-            w,
-            &format!("{prefix}.o_proj.weight"),
-            cfg.num_attention_heads * d,
-            h,
-            tp,
-        )?;
+        let heads = (cfg.num_attention_heads, cfg.num_key_value_heads, d);
+        let qkv_proj = QKVParallelLinear::load(vb, h, heads, variant.qkv_bias)?;
+        let o_proj = RowParallelLinear::load(&vb.pp("o_proj"), cfg.num_attention_heads * d, h)?;
         let qk_norm = if variant.qk_norm {
+            let eps = cfg.rms_norm_eps;
             Some((
-                RmsNorm::load(
-                    b,
-                    w,
-                    &format!("{prefix}.q_norm.weight"),
-                    d,
-                    cfg.rms_norm_eps,
-                )?,
-                RmsNorm::load(
-                    b,
-                    w,
-                    &format!("{prefix}.k_norm.weight"),
-                    d,
-                    cfg.rms_norm_eps,
-                )?,
+                RmsNorm::load(&vb.pp("q_norm"), d, eps)?,
+                RmsNorm::load(&vb.pp("k_norm"), d, eps)?,
             ))
         } else {
             None
@@ -137,28 +105,12 @@ struct LlamaMlp<B: Backend> {
 }
 
 impl<B: Backend> LlamaMlp<B> {
-    fn load(
-        b: &B,
-        w: &Weights,
-        cfg: &ModelConfig,
-        prefix: &str,
-        tp: TensorParallel,
-    ) -> Result<Self> {
+    /// Loads the `mlp` module `vb`.
+    fn load(vb: &VarBuilder<B>, cfg: &ModelConfig) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-        let names = [
-            format!("{prefix}.gate_proj.weight"),
-            format!("{prefix}.up_proj.weight"),
-        ];
         Ok(Self {
-            gate_up_proj: MergedColumnParallelLinear::load(b, w, &names, h, i, tp)?,
-            down_proj: RowParallelLinear::load(
-                b,
-                w,
-                &format!("{prefix}.down_proj.weight"),
-                i,
-                h,
-                tp,
-            )?,
+            gate_up_proj: MergedColumnParallelLinear::load(vb, &["gate_proj", "up_proj"], h, i)?,
+            down_proj: RowParallelLinear::load(&vb.pp("down_proj"), i, h)?,
         })
     }
 
@@ -196,47 +148,33 @@ impl<B: Backend> LlamaForCausalLM<B> {
         mut on_layer: impl FnMut(usize),
     ) -> Result<Self> {
         let (h, v, eps) = (cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps);
-        let embed_tokens =
-            VocabParallelEmbedding::load(b, weights, "model.embed_tokens.weight", v, h, tp)?;
+        let vb = VarBuilder::new(b, weights, tp);
+        let model = vb.pp("model");
+        let embed_tokens = VocabParallelEmbedding::load(&model.pp("embed_tokens"), v, h)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for n in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{n}");
+            let layer = model.pp("layers").pp(n);
             layers.push(LlamaDecoderLayer {
-                input_layernorm: RmsNorm::load(
-                    b,
-                    weights,
-                    &format!("{p}.input_layernorm.weight"),
-                    h,
-                    eps,
-                )?,
-                self_attn: LlamaAttention::load(
-                    b,
-                    weights,
-                    cfg,
-                    &format!("{p}.self_attn"),
-                    variant,
-                    tp,
-                )?,
+                input_layernorm: RmsNorm::load(&layer.pp("input_layernorm"), h, eps)?,
+                self_attn: LlamaAttention::load(&layer.pp("self_attn"), cfg, variant)?,
                 post_attention_layernorm: RmsNorm::load(
-                    b,
-                    weights,
-                    &format!("{p}.post_attention_layernorm.weight"),
+                    &layer.pp("post_attention_layernorm"),
                     h,
                     eps,
                 )?,
-                mlp: LlamaMlp::load(b, weights, cfg, &format!("{p}.mlp"), tp)?,
+                mlp: LlamaMlp::load(&layer.pp("mlp"), cfg)?,
             });
             on_layer(n);
         }
-        let norm = RmsNorm::load(b, weights, "model.norm.weight", h, eps)?;
+        let norm = RmsNorm::load(&model.pp("norm"), h, eps)?;
         // Tied checkpoints usually omit lm_head.weight; some still ship it, and then it is
         // the same tensor, so reading the embedding is correct either way.
-        let head_name = if cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
+        let head = if cfg.tie_word_embeddings {
+            model.pp("embed_tokens")
         } else {
-            "lm_head.weight"
+            vb.pp("lm_head")
         };
-        let lm_head = ParallelLMHead::load(b, weights, head_name, v, h, tp)?;
+        let lm_head = ParallelLMHead::load(&head, v, h)?;
         let rotary = RotaryEmbedding::new(b, cfg, max_model_len)?;
         Ok(Self {
             embed_tokens,

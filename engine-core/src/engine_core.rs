@@ -146,6 +146,8 @@ struct SentStep {
     so: SchedulerOutput,
     /// How long the scheduler took to plan it.
     schedule: Duration,
+    /// When it was sent to the workers.
+    submitted: Instant,
 }
 
 /// What handling the inputs decided.
@@ -173,8 +175,13 @@ impl EngineCore<'_> {
                 let so = self.scheduler.schedule();
                 if !so.is_empty() {
                     let schedule = started.elapsed();
+                    let submitted = Instant::now();
                     self.executor.submit(so.clone()).await?;
-                    self.in_flight.push_back(SentStep { so, schedule });
+                    self.in_flight.push_back(SentStep {
+                        so,
+                        schedule,
+                        submitted,
+                    });
                     sent = true;
                 }
             }
@@ -193,8 +200,10 @@ impl EngineCore<'_> {
     }
 
     /// Waits for the oldest step's output, applies it and pushes the outputs. The step log
-    /// shows the overlap: `ahead_us` is what the engine spent on the next step while this
-    /// one ran (with a step `queued` behind it), `wait_us` how long it then still waited.
+    /// shows the overlap: `execute_us` is the round trip from sending the step to its
+    /// output (queued behind the step before it, with async scheduling), `ahead_us` what
+    /// the engine spent on the next step while this one ran (with a step `queued` behind
+    /// it), `wait_us` how long it then still waited for the output.
     async fn finish_oldest_step(&mut self, ahead: Duration) -> anyhow::Result<()> {
         let Some(step) = self.in_flight.pop_front() else {
             return Ok(());
@@ -203,6 +212,7 @@ impl EngineCore<'_> {
         let waiting = Instant::now();
         let out = self.executor.wait_for_output().await?;
         let waited = waiting.elapsed();
+        let execute = step.submitted.elapsed();
         let outputs = self.scheduler.update_from_output(&step.so, &out);
         self.push_outputs(outputs).await?;
         let so = &step.so;
@@ -213,6 +223,7 @@ impl EngineCore<'_> {
             seqs = so.num_scheduled_tokens.len(),
             queued,
             schedule_us = step.schedule.as_micros() as u64,
+            execute_us = execute.as_micros() as u64,
             ahead_us = if queued > 0 { ahead.as_micros() as u64 } else { 0 },
             wait_us = waited.as_micros() as u64,
             update_us = (waiting.elapsed() - waited).as_micros() as u64,

@@ -91,7 +91,7 @@ async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
                     tokens = so.total_num_scheduled_tokens,
                     idle_us = idle.as_micros() as u64,
                     execute_us = executed.as_micros() as u64,
-                    "worker step done"
+                    "step executed"
                 );
             }
             WorkerInput::InitDistributed(_) => {

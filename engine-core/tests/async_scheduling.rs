@@ -201,7 +201,7 @@ fn run_workload(
     let mut sample = |id: &str, pos: usize| {
         let t = default_token(id, pos);
         // About one token in 13 is eos, a few are a stop id.
-        if t % 13 == 0 {
+        if t.is_multiple_of(13) {
             EOS
         } else {
             2 + t % 9

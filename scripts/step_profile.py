@@ -6,9 +6,15 @@ Reads logs written with RUST_LOG=vllm_engine_core::step=debug,vllm_worker::step=
 steps with prefill tokens, how many there were and the mean of each phase:
 
   engine: schedule_us (Scheduler::schedule), execute_us (SchedulerOutput sent → rank 0's
-          output back: IPC plus the worker), update_us (update_from_output + outputs)
+          output back: IPC plus the worker, plus the wait behind the step before it with
+          --async-scheduling), update_us (update_from_output + outputs)
+  overlap: ahead_us (the engine planning and sending the next step while this one ran:
+          off the critical path with --async-scheduling, 0 without), wait_us (the time
+          the engine then still waited for this step's output)
   worker: enqueue_us (inputs built and the forward pass enqueued), sample_us (the wait
-          for the GPU plus sampling and the token read-back)
+          for the GPU plus sampling and the token read-back); CUDA only
+  worker (every backend, "step executed"): idle_us (waiting for the step to arrive: near
+          0 when the engine queued it ahead), execute_us (the step in the runner)
 
 usage: scripts/step_profile.py LOG...
 """
@@ -57,7 +63,9 @@ def main():
     if not paths:
         sys.exit(__doc__)
     table(paths, "engine step", ["schedule_us", "execute_us", "update_us"])
+    table(paths, "engine step", ["ahead_us", "wait_us"])
     table(paths, "worker step", ["enqueue_us", "sample_us"])
+    table(paths, "step executed", ["idle_us", "execute_us"])
 
 
 if __name__ == "__main__":

@@ -260,7 +260,19 @@ async fn expect_clean_failure(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_death_of_rank_1_mid_stream_fails_clients_and_ends_the_server() {
-    let server = Server::start(&["--device", "cpu", "-t", "2"]);
+    the_death_of_rank_1_mid_stream(&[]).await;
+}
+
+/// With a step queued behind the running one, a dead rank still fails everything at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_death_of_rank_1_with_async_scheduling_fails_clients_and_ends_the_server() {
+    the_death_of_rank_1_mid_stream(&["--async-scheduling"]).await;
+}
+
+async fn the_death_of_rank_1_mid_stream(extra: &[&str]) {
+    let mut flags = vec!["--device", "cpu", "-t", "2"];
+    flags.extend(extra);
+    let server = Server::start(&flags);
     let tree = descendants(server.pid());
     let rank1 = worker_of_rank(&tree, 1);
     let in_flight = stream_in_background(&server);
@@ -281,7 +293,19 @@ async fn the_death_of_rank_1_mid_stream_fails_clients_and_ends_the_server() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rank_that_hangs_is_caught_by_the_watchdog() {
-    let server = Server::start(&["--device", "cpu", "-t", "2", "--execute-model-timeout", "2"]);
+    a_rank_that_hangs(&[]).await;
+}
+
+/// The step queued behind a hung one does not extend the deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rank_that_hangs_with_async_scheduling_is_caught_by_the_watchdog() {
+    a_rank_that_hangs(&["--async-scheduling"]).await;
+}
+
+async fn a_rank_that_hangs(extra: &[&str]) {
+    let mut flags = vec!["--device", "cpu", "-t", "2", "--execute-model-timeout", "2"];
+    flags.extend(extra);
+    let server = Server::start(&flags);
     let tree = descendants(server.pid());
     let rank1 = worker_of_rank(&tree, 1);
     let in_flight = stream_in_background(&server);

@@ -24,6 +24,7 @@ fn config(max_num_seqs: u32) -> SchedulerConfig {
         enable_chunked_prefill: true,
         policy: SchedulingPolicy::Fcfs,
         long_prefill_token_threshold: 0,
+        async_scheduling: false,
     }
 }
 

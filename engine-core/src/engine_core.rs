@@ -3,17 +3,23 @@
 //! inputs → schedule → execute → update → push outputs. With nothing to do it blocks on its
 //! input socket instead of spinning.
 //!
+//! With async scheduling (`--async-scheduling`, vLLM's) the loop keeps one step queued
+//! behind the one the workers run: it sends step N+1 before it waits for step N's output,
+//! so scheduling, updating and the IPC leave the workers' critical path. The scheduler
+//! plans N+1 on output placeholders for N's tokens (see `scheduler`).
+//!
 //! When a worker dies, every unfinished request is failed with the reason, the frontend is
 //! told (`EngineCoreEvent::Dead`), the other workers are stopped and the process exits
 //! non-zero.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use tokio::sync::mpsc;
 use vllm_protocol::{
     EngineCoreEvent, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineReady, Register,
-    UtilityCall, UtilityMethod, UtilityOutput, UtilityResult, PROTOCOL_VERSION,
+    SchedulerOutput, UtilityCall, UtilityMethod, UtilityOutput, UtilityResult, PROTOCOL_VERSION,
 };
 use zeromq::{DealerSocket, PushSocket, Socket};
 
@@ -74,7 +80,7 @@ pub async fn run_engine_core(cfg: EngineCoreConfig) -> anyhow::Result<i32> {
         executor: &mut executor,
         inputs,
         output,
-        step_id: 0,
+        in_flight: VecDeque::new(),
     };
     match core.run().await {
         Ok(()) => {
@@ -131,7 +137,17 @@ struct EngineCore<'a> {
     executor: &'a mut Executor,
     inputs: mpsc::Receiver<EngineCoreInput>,
     output: PushSocket,
-    step_id: u64,
+    /// Steps sent to the workers whose output is not in yet, oldest first.
+    in_flight: VecDeque<SentStep>,
+}
+
+/// A step the workers have, kept until its output is applied.
+struct SentStep {
+    so: SchedulerOutput,
+    /// How long the scheduler took to plan it.
+    schedule: Duration,
+    /// When it was sent to the workers.
+    submitted: Instant,
 }
 
 /// What handling the inputs decided.
@@ -143,42 +159,83 @@ enum Flow {
 
 impl EngineCore<'_> {
     async fn run(&mut self) -> anyhow::Result<()> {
+        // Async scheduling queues one step behind the one running: depth 1, as vLLM's.
+        let max_in_flight = if self.scheduler.config().async_scheduling {
+            2
+        } else {
+            1
+        };
         loop {
             if self.drain_inputs().await? == Flow::Shutdown {
                 return Ok(());
             }
-            let started = std::time::Instant::now();
-            let mut so = self.scheduler.schedule();
-            if so.is_empty() {
+            let started = Instant::now();
+            let mut sent = false;
+            if self.in_flight.len() < max_in_flight {
+                let so = self.scheduler.schedule();
+                if !so.is_empty() {
+                    let schedule = started.elapsed();
+                    let submitted = Instant::now();
+                    self.executor.submit(so.clone()).await?;
+                    self.in_flight.push_back(SentStep {
+                        so,
+                        schedule,
+                        submitted,
+                    });
+                    sent = true;
+                }
+            }
+            // Time spent planning and sending the next step while the oldest one ran.
+            let ahead = started.elapsed();
+            let full = self.in_flight.len() >= max_in_flight;
+            if full || (!sent && !self.in_flight.is_empty()) {
+                self.finish_oldest_step(ahead).await?;
+            } else if self.in_flight.is_empty() {
                 // Requests are unfinished yet none could be scheduled (for example the
                 // pool is full of finished-but-unreported work): wait for input briefly
                 // rather than spin.
                 tokio::time::sleep(Duration::from_millis(1)).await;
-                continue;
             }
-            self.step_id += 1;
-            so.step_id = self.step_id;
-            let scheduled = started.elapsed();
-            let out = self.executor.execute_model(so.clone()).await?;
-            let executed = started.elapsed();
-            let outputs = self.scheduler.update_from_output(&so, &out);
-            self.push_outputs(outputs).await?;
-            tracing::debug!(
-                target: "vllm_engine_core::step",
-                step = so.step_id,
-                tokens = so.total_num_scheduled_tokens,
-                seqs = so.num_scheduled_tokens.len(),
-                schedule_us = scheduled.as_micros() as u64,
-                execute_us = (executed - scheduled).as_micros() as u64,
-                update_us = (started.elapsed() - executed).as_micros() as u64,
-                "engine step"
-            );
         }
+    }
+
+    /// Waits for the oldest step's output, applies it and pushes the outputs. The step log
+    /// shows the overlap: `execute_us` is the round trip from sending the step to its
+    /// output (queued behind the step before it, with async scheduling), `ahead_us` what
+    /// the engine spent on the next step while this one ran (with a step `queued` behind
+    /// it), `wait_us` how long it then still waited for the output.
+    async fn finish_oldest_step(&mut self, ahead: Duration) -> anyhow::Result<()> {
+        let Some(step) = self.in_flight.pop_front() else {
+            return Ok(());
+        };
+        let queued = self.in_flight.len();
+        let waiting = Instant::now();
+        let out = self.executor.wait_for_output().await?;
+        let waited = waiting.elapsed();
+        let execute = step.submitted.elapsed();
+        let outputs = self.scheduler.update_from_output(&step.so, &out);
+        self.push_outputs(outputs).await?;
+        let so = &step.so;
+        tracing::debug!(
+            target: "vllm_engine_core::step",
+            step = so.step_id,
+            tokens = so.total_num_scheduled_tokens,
+            seqs = so.num_scheduled_tokens.len(),
+            queued,
+            schedule_us = step.schedule.as_micros() as u64,
+            execute_us = execute.as_micros() as u64,
+            ahead_us = if queued > 0 { ahead.as_micros() as u64 } else { 0 },
+            wait_us = waited.as_micros() as u64,
+            update_us = (waiting.elapsed() - waited).as_micros() as u64,
+            "engine step"
+        );
+        Ok(())
     }
 
     /// Handles every queued input; when the engine is idle, first waits for one.
     async fn drain_inputs(&mut self) -> anyhow::Result<Flow> {
-        if !self.scheduler.has_unfinished_requests() {
+        // A step still in flight must be collected even when every request has ended.
+        if !self.scheduler.has_unfinished_requests() && self.in_flight.is_empty() {
             let msg = tokio::select! {
                 msg = self.inputs.recv() => msg,
                 failure = self.executor.failure() => return Err(failure),

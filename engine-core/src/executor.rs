@@ -1,7 +1,8 @@
 //! The executor: starts one worker process per rank, brings them through the startup
 //! handshake, broadcasts every `SchedulerOutput` to all ranks and collects rank 0's
-//! `ModelRunnerOutput`. It also watches the workers: a rank that dies or reports a failure
-//! surfaces as an error from [`Executor::execute_model`] naming that rank.
+//! `ModelRunnerOutput`; a step is submitted and its output awaited apart, so the engine can
+//! queue the next step while one runs (async scheduling). It also watches the workers: a rank that dies or reports a failure
+//! surfaces as an error from [`Executor::wait_for_output`] naming that rank.
 
 use std::time::Duration;
 
@@ -35,6 +36,10 @@ pub struct Executor {
     /// How long a step may take before the workers count as hung. A little over the
     /// workers' own collective timeout, so that their error (which names the rank) wins.
     step_deadline: Duration,
+    /// Steps submitted and not yet answered (id, when sent), oldest first.
+    in_flight: std::collections::VecDeque<(u64, tokio::time::Instant)>,
+    /// When the last step's output arrived: the next queued step started then.
+    last_output_at: tokio::time::Instant,
 }
 
 /// What the workers reported at startup, once every rank is ready.
@@ -76,6 +81,8 @@ impl Executor {
             workers,
             step_deadline: Duration::from_secs_f64(cfg.execute_model_timeout_s)
                 + Duration::from_secs(2),
+            in_flight: std::collections::VecDeque::new(),
+            last_output_at: tokio::time::Instant::now(),
         };
         match executor.handshake(cfg).await {
             Ok(ready) => Ok((executor, ready)),
@@ -173,15 +180,28 @@ impl Executor {
         Ok(profiles.into_iter().flatten().collect())
     }
 
-    /// Runs one step on every rank and returns rank 0's output; an error if a rank dies,
-    /// fails, or gives no answer within the step deadline (a hang).
-    pub async fn execute_model(
-        &mut self,
-        so: SchedulerOutput,
-    ) -> anyhow::Result<ModelRunnerOutput> {
+    /// Sends one step to every rank without waiting for it: the ranks queue it behind the
+    /// steps they are running (they run steps in the order sent). Its output is awaited
+    /// with [`Executor::wait_for_output`]; an error if a rank cannot be reached.
+    pub async fn submit(&mut self, so: SchedulerOutput) -> anyhow::Result<()> {
         let step_id = so.step_id;
-        let deadline = tokio::time::Instant::now() + self.step_deadline;
         self.broadcast(&WorkerInput::Execute(so)).await?;
+        self.in_flight
+            .push_back((step_id, tokio::time::Instant::now()));
+        Ok(())
+    }
+
+    /// Rank 0's output of the oldest step submitted; an error if a rank dies, fails, or
+    /// gives no answer within the step deadline (a hang). The deadline runs from when the
+    /// step could start: its submission, or the previous step's output if that came later
+    /// (a step queued behind another does not run while that one does).
+    pub async fn wait_for_output(&mut self) -> anyhow::Result<ModelRunnerOutput> {
+        let (step_id, submitted_at) = self
+            .in_flight
+            .front()
+            .copied()
+            .context("waiting for the output of a step that was never submitted")?;
+        let deadline = submitted_at.max(self.last_output_at) + self.step_deadline;
         loop {
             let event = tokio::time::timeout_at(deadline, self.next_event())
                 .await
@@ -194,7 +214,9 @@ impl Executor {
                 })?;
             match event? {
                 ExecutorEvent::Worker(WorkerEvent::Output(out)) if out.step_id == step_id => {
-                    return Ok(out)
+                    self.in_flight.pop_front();
+                    self.last_output_at = tokio::time::Instant::now();
+                    return Ok(out);
                 }
                 ExecutorEvent::Worker(WorkerEvent::Output(out)) => {
                     tracing::warn!(
@@ -205,6 +227,11 @@ impl Executor {
                 _ => tracing::warn!("unexpected worker message during a step"),
             }
         }
+    }
+
+    /// Steps submitted whose output has not been taken.
+    pub fn num_in_flight(&self) -> usize {
+        self.in_flight.len()
     }
 
     /// Waits until a worker dies or fails, for an idle engine that must still notice.

@@ -35,6 +35,15 @@ pub struct Request {
     pub status: RequestStatus,
     /// Tokens whose KV is computed (or scheduled this step: it advances at schedule time).
     pub num_computed_tokens: u32,
+    /// Output placeholders (vLLM's name): tokens sampled in steps that are sent but whose
+    /// output has not come back. The sequence the scheduler plans with is `num_tokens()`
+    /// known tokens followed by these. Only async scheduling schedules a request while it
+    /// has one; every step's output takes one away.
+    pub num_output_placeholders: u32,
+    /// Which admission to the running set this is (unique over all requests, renewed after
+    /// every preemption), so the output of a step scheduled for an earlier one, or for an
+    /// ended request whose id was reused, is recognised as stale and dropped.
+    pub admission_seq: u64,
     /// Prompt tokens served by the prefix cache when first scheduled.
     pub num_cached_tokens: Option<u32>,
     /// Hashes of every full block of `all_token_ids` (kept only with prefix caching).
@@ -63,6 +72,8 @@ impl Request {
             arrival_seq,
             status: RequestStatus::Waiting,
             num_computed_tokens: 0,
+            num_output_placeholders: 0,
+            admission_seq: 0,
             num_cached_tokens: None,
             block_hashes: Vec::new(),
             num_tokens_sent: 0,
@@ -77,6 +88,20 @@ impl Request {
 
     pub fn num_output_tokens(&self) -> u32 {
         self.num_tokens() - self.num_prompt_tokens
+    }
+
+    /// Known tokens plus the placeholders of steps in flight: the sequence the next step
+    /// extends.
+    pub fn num_tokens_with_placeholders(&self) -> u32 {
+        self.num_tokens() + self.num_output_placeholders
+    }
+
+    /// Whether the tokens already in flight will end the request by length
+    /// (`max_tokens` or the model's length), so scheduling it again would only compute a
+    /// token to throw away (vLLM skips such a request the same way).
+    pub fn length_reached_with_placeholders(&self, max_model_len: u32) -> bool {
+        self.num_output_placeholders > 0
+            && self.num_tokens_with_placeholders() >= self.max_total_tokens(max_model_len)
     }
 
     pub fn prompt_token_ids(&self) -> &[u32] {

@@ -7,9 +7,19 @@
 //! the sequence slots shared fairly among API requests (`fair_share`).
 //! It also applies sampled tokens, runs the stop checks, and tracks what the workers know
 //! so each `SchedulerOutput` carries only deltas.
+//!
+//! Async scheduling (vLLM's): the engine may call `schedule()` again before the last
+//! step's output came back. A request that samples in a step in flight holds an output
+//! placeholder (`Request::num_output_placeholders`) and is scheduled on top of it; the
+//! workers fill it from their own sampler. `in_flight` remembers what each sent step was
+//! planned for, so a late output for a request that has since ended or been preempted is
+//! dropped. A request's blocks may be freed while a step that writes them is in flight:
+//! the workers run steps in order, so the step that next receives those blocks runs after
+//! it, and only known tokens are ever hashed, so no cached block holds a dropped token.
 
 mod config;
 mod fair_share;
+mod in_flight;
 mod request_queue;
 
 use std::collections::HashMap;
@@ -21,6 +31,7 @@ use vllm_protocol::{
 
 pub use config::{SchedulerConfig, SchedulingPolicy};
 use fair_share::Shares;
+use in_flight::{InFlightStep, InFlightSteps, ScheduledRequest};
 use request_queue::RequestQueue;
 
 use crate::block_id::BlockId;
@@ -41,6 +52,10 @@ pub struct Scheduler {
     /// Preempted requests the workers still hold; sent with the next non-empty step.
     preempted_req_ids: Vec<String>,
     next_arrival_seq: u64,
+    /// Source of `Request::admission_seq`.
+    next_admission_seq: u64,
+    /// Steps sent to the workers and not yet updated from their output.
+    in_flight: InFlightSteps,
     step_id: u64,
     num_preemptions: u64,
 }
@@ -72,6 +87,8 @@ impl Scheduler {
             finished_req_ids: Vec::new(),
             preempted_req_ids: Vec::new(),
             next_arrival_seq: 0,
+            next_admission_seq: 0,
+            in_flight: InFlightSteps::default(),
             step_id: 0,
             num_preemptions: 0,
         }
@@ -186,7 +203,9 @@ impl Scheduler {
 
     /// Tokens a request would compute this step before the budget is applied.
     fn num_new_tokens(&self, req: &Request, num_computed_tokens: u32) -> u32 {
-        let mut n = req.num_tokens().saturating_sub(num_computed_tokens);
+        let mut n = req
+            .num_tokens_with_placeholders()
+            .saturating_sub(num_computed_tokens);
         let threshold = self.config.long_prefill_token_threshold;
         if threshold > 0 && self.config.enable_chunked_prefill {
             n = n.min(threshold);
@@ -203,7 +222,7 @@ impl Scheduler {
             let num_new = self
                 .num_new_tokens(req, num_computed)
                 .min(plan.token_budget);
-            if num_new == 0 {
+            if num_new == 0 || req.length_reached_with_placeholders(self.config.max_model_len) {
                 i += 1;
                 continue;
             }
@@ -261,13 +280,22 @@ impl Scheduler {
 
     /// Preemption by recompute: free the blocks, forget progress (the prefix cache may
     /// give some back), and requeue at the front.
+    ///
+    /// With a step of this request in flight, its blocks' known full tokens are cached
+    /// first: the step writes their KV before any later step can read it (the workers run
+    /// steps in order), so the resumed request finds them again. The step's sampled token
+    /// is dropped when it arrives (the admission is over) and sampled again on resumption.
     fn preempt(&mut self, id: &str) {
-        self.kv_cache_manager.free(id);
         let Some(req) = self.requests.get_mut(id) else {
+            self.kv_cache_manager.free(id);
             return;
         };
+        self.kv_cache_manager
+            .cache_blocks(id, &req.block_hashes, req.num_computed_tokens);
+        self.kv_cache_manager.free(id);
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
+        req.num_output_placeholders = 0;
         if req.known_to_workers {
             self.preempted_req_ids.push(id.to_string());
         }
@@ -384,6 +412,9 @@ impl Scheduler {
         if let Some(req) = self.requests.get_mut(id) {
             req.status = RequestStatus::Running;
             req.num_computed_tokens = num_computed;
+            req.num_output_placeholders = 0;
+            req.admission_seq = self.next_admission_seq;
+            self.next_admission_seq += 1;
             req.num_cached_tokens.get_or_insert(num_computed);
         }
         self.running.push(id.to_string());
@@ -397,20 +428,32 @@ impl Scheduler {
     fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let mut so = SchedulerOutput::default();
         let mut cached_order = Vec::with_capacity(plan.running.len());
+        let mut new_records = Vec::with_capacity(plan.admitted.len());
+        let mut cached_records = Vec::with_capacity(plan.running.len());
         for (id, n) in plan.admitted.into_iter().chain(plan.running) {
             let Some(req) = self.requests.get_mut(&id) else {
                 continue;
             };
             let block_ids = self.kv_cache_manager.block_ids(&id);
+            let record = ScheduledRequest {
+                admission_seq: req.admission_seq,
+                samples: req.num_computed_tokens + n == req.num_tokens_with_placeholders(),
+            };
             if req.known_to_workers {
                 so.scheduled_cached_reqs
                     .push(cached_request_data(req, block_ids));
                 cached_order.push((id, n));
+                cached_records.push(record);
             } else {
                 so.scheduled_new_reqs.push(new_request_data(req, block_ids));
                 so.num_scheduled_tokens.push((id, n));
+                new_records.push(record);
             }
             req.num_computed_tokens += n;
+            if record.samples {
+                // The token this step samples is unknown until its output comes back.
+                req.num_output_placeholders += 1;
+            }
             so.total_num_scheduled_tokens += n;
         }
         so.num_scheduled_tokens.extend(cached_order);
@@ -419,40 +462,75 @@ impl Scheduler {
             self.step_id += 1;
             so.finished_req_ids = std::mem::take(&mut self.finished_req_ids);
             so.preempted_req_ids = std::mem::take(&mut self.preempted_req_ids);
+            new_records.extend(cached_records);
+            self.in_flight.push(InFlightStep {
+                step_id: self.step_id,
+                requests: new_records,
+            });
         }
         so.step_id = self.step_id;
         so
     }
 
+    /// Steps scheduled and not yet updated from their output.
+    pub fn num_steps_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
     /// Applies rank 0's sampled tokens: one `EngineCoreOutput` per request that got a
     /// token (a partial prefill chunk gets none); finished requests free their blocks.
+    /// Steps must be updated in the order they were scheduled. A token for a request that
+    /// ended, or was preempted, after the step was scheduled is dropped.
     pub fn update_from_output(
         &mut self,
         so: &SchedulerOutput,
         out: &ModelRunnerOutput,
     ) -> Vec<EngineCoreOutput> {
+        let Some(step) = self.in_flight.take(so.step_id) else {
+            tracing::error!(
+                step = so.step_id,
+                "output of a step the scheduler has no record of; dropped"
+            );
+            return Vec::new();
+        };
         let mut sampled = SampledLookup::new(&out.sampled);
         let hash_block_size = self.hash_block_size();
         let max_model_len = self.config.max_model_len;
         let mut outputs = Vec::with_capacity(out.sampled.len());
         let mut finished = Vec::new();
-        for (id, _) in &so.num_scheduled_tokens {
+        for ((id, _), planned) in so.num_scheduled_tokens.iter().zip(&step.requests) {
             let Some(req) = self.requests.get_mut(id) else {
-                continue; // aborted since the step was scheduled
+                continue; // aborted or finished since the step was scheduled
             };
-            if req.status != RequestStatus::Running {
-                continue;
+            if req.status != RequestStatus::Running || req.admission_seq != planned.admission_seq {
+                continue; // preempted since: this admission's tokens are void
             }
-            // The step wrote these tokens' KV: their full blocks may now serve hits.
+            // The step wrote these tokens' KV (steps still in flight write theirs before
+            // any later step runs): their full blocks may now serve hits.
             self.kv_cache_manager
                 .cache_blocks(id, &req.block_hashes, req.num_computed_tokens);
-            if req.num_computed_tokens < req.num_tokens() {
+            if !planned.samples {
                 continue; // a partial prefill chunk samples nothing
             }
+            req.num_output_placeholders = req.num_output_placeholders.saturating_sub(1);
             let Some(token) = sampled.get(id) else {
-                // The runner owed a token and sent none: recompute the last position
-                // next step rather than leave the request stuck.
-                req.num_computed_tokens -= 1;
+                if req.num_output_placeholders == 0 {
+                    // The runner owed a token and sent none: recompute the last position
+                    // next step rather than leave the request stuck.
+                    req.num_computed_tokens -= 1;
+                    continue;
+                }
+                // A later step in flight already computed the workers' own token for this
+                // position, which the engine will never know: the request cannot go on.
+                let why = format!(
+                    "step {}: the model runner sent no token for request {id}",
+                    so.step_id
+                );
+                tracing::error!("{why}");
+                let mut o = EngineCoreOutput::failed(id.clone(), why);
+                o.num_cached_tokens = req.num_cached_tokens.unwrap_or(0);
+                outputs.push(o);
+                finished.push(id.clone());
                 continue;
             };
             req.append_output_token(token.token_id, hash_block_size);
@@ -485,6 +563,7 @@ impl Scheduler {
 
     /// Fails every unfinished request with `error` and frees all their blocks.
     pub fn fail_all(&mut self, error: &str) -> Vec<EngineCoreOutput> {
+        self.in_flight.clear();
         let mut ids = std::mem::take(&mut self.running);
         ids.extend(self.waiting.ids());
         self.waiting.clear();
@@ -564,6 +643,7 @@ impl Scheduler {
         if self.running.len() > self.config.max_num_seqs as usize {
             return Err("more running requests than max_num_seqs".into());
         }
+        let placeholders = self.in_flight.placeholders_by_admission();
         for id in &self.running {
             let req = self
                 .requests
@@ -571,6 +651,21 @@ impl Scheduler {
                 .ok_or(format!("running {id} unknown"))?;
             if req.status != RequestStatus::Running {
                 return Err(format!("running {id} has status {:?}", req.status));
+            }
+            let in_flight = placeholders.get(&req.admission_seq).copied().unwrap_or(0);
+            if req.num_output_placeholders != in_flight {
+                return Err(format!(
+                    "{id} has {} output placeholders but samples in {in_flight} steps in flight",
+                    req.num_output_placeholders
+                ));
+            }
+            if req.num_computed_tokens > req.num_tokens_with_placeholders() {
+                return Err(format!(
+                    "{id} computed {} tokens of {} (+{} placeholders)",
+                    req.num_computed_tokens,
+                    req.num_tokens(),
+                    req.num_output_placeholders
+                ));
             }
             let held = self.block_ids(id).len() as u32;
             if held
@@ -588,6 +683,19 @@ impl Scheduler {
             if !self.block_ids(&id).is_empty() {
                 return Err(format!("waiting {id} holds blocks"));
             }
+            if self
+                .requests
+                .get(&id)
+                .is_some_and(|r| r.num_output_placeholders > 0)
+            {
+                return Err(format!("waiting {id} holds output placeholders"));
+            }
+        }
+        if self.in_flight.len() > 2 {
+            return Err(format!(
+                "{} steps in flight (async scheduling sends one ahead at most)",
+                self.in_flight.len()
+            ));
         }
         for id in self.kv_cache_manager.request_ids() {
             if !self.running.iter().any(|r| r == id) {
@@ -659,5 +767,6 @@ fn cached_request_data(req: &mut Request, block_ids: &[BlockId]) -> CachedReques
         new_token_ids,
         new_block_ids,
         num_computed_tokens: req.num_computed_tokens,
+        num_output_placeholders: req.num_output_placeholders,
     }
 }

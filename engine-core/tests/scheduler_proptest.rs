@@ -2,7 +2,7 @@
 //! KV pool (so preemption happens), checking after every operation that no block leaks,
 //! ref counts equal the number of owning requests, no block is both free and referenced,
 //! the simulated worker's view (and KV contents) match, and that once every request has
-//! ended the whole pool is free.
+//! ended the whole pool is free. Every workload runs with and without async scheduling.
 
 mod common;
 
@@ -67,6 +67,7 @@ fn run_ops(
     chunked: bool,
     caching: bool,
     blocks: u32,
+    async_scheduling: bool,
 ) -> vllm_protocol::SchedulerStats {
     let mut cfg = config(blocks, 4);
     cfg.max_num_seqs = 4;
@@ -79,6 +80,7 @@ fn run_ops(
     } else {
         SchedulingPolicy::Fcfs
     };
+    cfg.async_scheduling = async_scheduling;
     let mut h = Harness::new(cfg);
     let mut next_id = 0u32;
     let mut ids: Vec<String> = Vec::new();
@@ -139,7 +141,7 @@ fn run_ops(
     // Everything left must finish without a deadlock, leaving the pool fully free.
     let mut seed = 7;
     for _ in 0..5000 {
-        if !h.sched.has_unfinished_requests() {
+        if !h.has_work() {
             break;
         }
         seed += 1;
@@ -174,9 +176,11 @@ fn random_workload_preempts_and_hits_the_prefix_cache() {
             .new_tree(&mut runner)
             .expect("strategy")
             .current();
-        let stats = run_ops(ops, false, true, true, 8);
-        preemptions += stats.num_preemptions;
-        hits += stats.prefix_cache_hits;
+        for async_scheduling in [false, true] {
+            let stats = run_ops(ops.clone(), false, true, true, 8, async_scheduling);
+            preemptions += stats.num_preemptions;
+            hits += stats.prefix_cache_hits;
+        }
     }
     assert!(
         preemptions > 0 && hits > 0,
@@ -195,7 +199,8 @@ proptest! {
         chunked in any::<bool>(),
         caching in prop::bool::weighted(0.8),
         blocks in 6u32..16,
+        async_scheduling in any::<bool>(),
     ) {
-        run_ops(ops, priority, chunked, caching, blocks);
+        run_ops(ops, priority, chunked, caching, blocks, async_scheduling);
     }
 }

@@ -332,6 +332,15 @@ fn abort_mid_prefill_and_mid_decode_frees_blocks() {
 
 #[test]
 fn stop_conditions() {
+    stop_conditions_with(false);
+}
+
+#[test]
+fn stop_conditions_with_async_scheduling() {
+    stop_conditions_with(true);
+}
+
+fn stop_conditions_with(async_scheduling: bool) {
     let eos_at = |n: usize| move |_: &str, pos: usize| if pos == n { EOS } else { 77 };
     let run = |p: SamplingParams,
                prompt_len: u32,
@@ -339,9 +348,10 @@ fn stop_conditions() {
                sample: &mut dyn FnMut(&str, usize) -> u32| {
         let mut cfg = config(64, 4);
         cfg.max_model_len = max_model_len;
+        cfg.async_scheduling = async_scheduling;
         let mut h = Harness::new(cfg);
         h.add(request("r", prompt(1, prompt_len), p));
-        while h.sched.has_unfinished_requests() {
+        while h.has_work() {
             h.step_with(sample);
         }
         h.assert_pool_free();

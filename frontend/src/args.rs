@@ -108,6 +108,11 @@ pub struct EngineArgs {
     pub no_enable_chunked_prefill: bool,
     #[arg(long, value_enum, default_value_t = Policy::Fcfs)]
     pub scheduling_policy: Policy,
+    /// Schedule step N+1 while the workers run step N (vLLM's async scheduling): the
+    /// engine's scheduling, bookkeeping and IPC leave the critical path; each worker fills
+    /// the unknown last token from its own sampler, checked against rank 0's a step later.
+    #[arg(long)]
+    pub async_scheduling: bool,
     /// Force the number of KV blocks, whatever the memory budget says.
     #[arg(long)]
     pub num_gpu_blocks_override: Option<u32>,
@@ -276,6 +281,7 @@ impl EngineArgs {
                 Policy::Priority => SchedulingPolicy::Priority,
             },
             long_prefill_token_threshold: 0,
+            async_scheduling: self.async_scheduling,
         };
         Ok(EngineCoreConfig {
             run_dir: PathBuf::new(),

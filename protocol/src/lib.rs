@@ -22,7 +22,7 @@ pub use scheduler_output::*;
 
 /// Bumped whenever a wire type changes shape. Processes of different versions refuse each
 /// other at the handshake instead of misreading each other's frames.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// `--execute-model-timeout`'s default, in seconds (vLLM's
 /// `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`): the one value the flag and both processes' configs

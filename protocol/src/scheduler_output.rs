@@ -7,6 +7,14 @@
 //! A worker keeps each running request's state (token ids, block table) between steps, so
 //! a step carries the full data only for requests new to the workers and deltas for the
 //! rest (DESIGN §3).
+//!
+//! With async scheduling (`--async-scheduling`) the engine-core sends step N+1 before it
+//! has seen step N's sampled tokens. A request that samples in step N and is scheduled
+//! again in N+1 then has an *output placeholder*: a position whose token only the workers
+//! know yet. Each worker fills it with the token its own sampler drew in step N (every rank
+//! samples the same token), and the engine-core's authoritative copy of that token arrives
+//! one step later in `new_token_ids`, which the worker checks against what it used. See
+//! [`CachedRequestData::num_output_placeholders`].
 
 use serde::{Deserialize, Serialize};
 
@@ -29,11 +37,21 @@ pub struct NewRequestData {
 pub struct CachedRequestData {
     pub req_id: String,
     /// Token ids appended since the workers last saw this request (the tokens sampled in
-    /// earlier steps), so every rank's copy stays identical without trusting its sampler.
+    /// earlier steps, as rank 0 reported them). A worker holds each of them already, from
+    /// its own sampler: one its KV was computed from must equal it (a mismatch fails the
+    /// step: the ranks diverged), one not yet computed is simply replaced by it, so every
+    /// rank's copy follows the engine-core's.
     pub new_token_ids: Vec<u32>,
     /// Blocks appended to the request's block table.
     pub new_block_ids: Vec<u32>,
     pub num_computed_tokens: u32,
+    /// Output placeholders (vLLM's `num_output_placeholders`): how many tokens at the end
+    /// of the sequence were sampled in steps whose output the engine-core had not seen when
+    /// it scheduled this one. They follow the tokens above; the worker takes them from its
+    /// own sampler, and they come back in `new_token_ids` of a later step. Always 0
+    /// without async scheduling; at most 1 with it (one step in flight).
+    #[serde(default)]
+    pub num_output_placeholders: u32,
 }
 
 /// The plan of one engine step, broadcast to every rank.

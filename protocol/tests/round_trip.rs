@@ -123,6 +123,7 @@ fn worker_inputs() -> Vec<WorkerInput> {
             new_token_ids: vec![9],
             new_block_ids: vec![],
             num_computed_tokens: 17,
+            num_output_placeholders: 0,
         }],
         num_scheduled_tokens: vec![("r".into(), 3), ("s".into(), 1)],
         total_num_scheduled_tokens: 4,

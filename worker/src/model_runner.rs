@@ -345,6 +345,9 @@ impl<B: Backend> ModelRunner<B> {
             .sampler
             .sample(&mut logits, self.model_config.vocab_size, &reqs);
         output.sampled = sampled_tokens(&sampled_req_ids, sampled);
+        // Kept unconfirmed: with async scheduling the next step computes them before the
+        // engine-core has seen them.
+        self.batch.record_sampled(&output.sampled);
         Ok(output)
     }
 
@@ -616,6 +619,9 @@ impl ModelRunner<CudaBackend> {
         let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
         let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
         output.sampled = sampled_tokens(&sampled_req_ids, sampled);
+        // Kept unconfirmed: with async scheduling the next step computes them before the
+        // engine-core has seen them.
+        self.batch.record_sampled(&output.sampled);
         tracing::debug!(
             target: "vllm_worker::step",
             step = so.step_id,

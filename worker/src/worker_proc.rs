@@ -62,21 +62,37 @@ async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
         runner.abort_handle(),
     );
     loop {
-        match sockets.recv().await? {
+        // Time spent waiting for the next step: with async scheduling the engine-core has
+        // usually queued it already, so this stays near zero while requests run.
+        let idle = std::time::Instant::now();
+        let input = sockets.recv().await?;
+        let idle = idle.elapsed();
+        match input {
             WorkerInput::InitializeKvCache(init) => {
                 runner.initialize_kv_cache(init.num_blocks)?;
                 sockets.send(&WorkerEvent::KvCacheReady(args.rank)).await?;
             }
             WorkerInput::Execute(so) => {
+                let started = std::time::Instant::now();
                 watchdog.begin(so.step_id);
                 let out = runner.execute_model(&so);
                 watchdog
                     .end()
                     .with_context(|| format!("step {}", so.step_id))?;
                 let out = out.with_context(|| format!("step {}", so.step_id))?;
+                let executed = started.elapsed();
                 if args.rank == 0 {
                     sockets.send(&WorkerEvent::Output(out)).await?;
                 }
+                tracing::debug!(
+                    target: "vllm_worker::step",
+                    rank = args.rank,
+                    step = so.step_id,
+                    tokens = so.total_num_scheduled_tokens,
+                    idle_us = idle.as_micros() as u64,
+                    execute_us = executed.as_micros() as u64,
+                    "step executed"
+                );
             }
             WorkerInput::InitDistributed(_) => {
                 tracing::warn!("ignoring a second InitDistributed")

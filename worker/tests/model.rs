@@ -82,6 +82,7 @@ fn cached(
             new_token_ids: new_tokens.to_vec(),
             new_block_ids: new_blocks.to_vec(),
             num_computed_tokens: computed,
+            num_output_placeholders: 0,
         }],
         num_scheduled_tokens: vec![(id.into(), scheduled)],
         total_num_scheduled_tokens: scheduled,
@@ -350,12 +351,14 @@ fn served_greedy_matches_reference_with_batching_and_chunking() {
                     new_token_ids: vec![],
                     new_block_ids: vec![17, 5],
                     num_computed_tokens: 5,
+                    num_output_placeholders: 0,
                 },
                 CachedRequestData {
                     req_id: "b".into(),
                     new_token_ids: got_b.clone(),
                     new_block_ids: vec![],
                     num_computed_tokens: 6,
+                    num_output_placeholders: 0,
                 },
             ],
             num_scheduled_tokens: vec![("a".into(), 8), ("b".into(), 1)],
@@ -389,6 +392,7 @@ fn served_greedy_matches_reference_with_batching_and_chunking() {
                     new_token_ids: vec![*got.last().unwrap()],
                     new_block_ids: new_blocks,
                     num_computed_tokens: *len,
+                    num_output_placeholders: 0,
                 });
                 sched.push((id.to_string(), 1));
                 *len += 1;

@@ -30,6 +30,11 @@ pub struct SchedulerConfig {
     /// Most tokens one request may prefill in a step, so several long prompts share a
     /// step (vLLM's `--long-prefill-token-threshold`); 0 = no limit.
     pub long_prefill_token_threshold: u32,
+    /// `--async-scheduling` (vLLM's): schedule step N+1 while step N runs, on output
+    /// placeholders for N's tokens. The engine loop reads it; the scheduler's bookkeeping
+    /// is the same either way.
+    #[serde(default)]
+    pub async_scheduling: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -46,6 +51,7 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             policy: SchedulingPolicy::Fcfs,
             long_prefill_token_threshold: 0,
+            async_scheduling: false,
         }
     }
 }

@@ -5,10 +5,15 @@
 //! token id into its slot (`block_table[pos / block_size]`, `pos % block_size`), and a step
 //! that starts at `num_computed_tokens` first checks every earlier slot holds the right
 //! token. A prefix-cache hit that served wrong or never-computed KV fails that check.
+//!
+//! Like the real worker, it appends the tokens it samples as unconfirmed and checks the
+//! scheduler's `new_token_ids` against them, so with async scheduling (the harness keeping
+//! one step in flight, as the engine loop does) it fills output placeholders itself and
+//! catches a scheduler that plans on tokens the worker does not hold.
 
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use vllm_engine_core::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
 use vllm_protocol::{
@@ -29,6 +34,7 @@ pub fn config(num_gpu_blocks: u32, block_size: u32) -> SchedulerConfig {
         enable_chunked_prefill: true,
         policy: SchedulingPolicy::Fcfs,
         long_prefill_token_threshold: 0,
+        async_scheduling: false,
     }
 }
 
@@ -70,6 +76,8 @@ pub struct WorkerRequest {
     pub token_ids: Vec<u32>,
     pub block_table: Vec<u32>,
     pub num_computed_tokens: u32,
+    /// Trailing tokens this worker sampled that the scheduler has not confirmed.
+    pub num_unconfirmed: usize,
 }
 
 #[derive(Debug, Default)]
@@ -102,6 +110,7 @@ impl SimWorker {
                     token_ids,
                     block_table: new.block_ids.clone(),
                     num_computed_tokens: new.num_computed_tokens,
+                    num_unconfirmed: 0,
                 },
             );
             assert!(
@@ -115,7 +124,23 @@ impl SimWorker {
                 .reqs
                 .get_mut(&c.req_id)
                 .unwrap_or_else(|| panic!("cached {} unknown to the worker", c.req_id));
-            w.token_ids.extend(&c.new_token_ids);
+            let first = w.token_ids.len() - w.num_unconfirmed;
+            for (i, &t) in c.new_token_ids.iter().enumerate() {
+                match w.token_ids.get(first + i) {
+                    Some(&held) => assert_eq!(
+                        held, t,
+                        "{}: the scheduler's token differs from the worker's sample",
+                        c.req_id
+                    ),
+                    None => w.token_ids.push(t),
+                }
+            }
+            w.num_unconfirmed = w.num_unconfirmed.saturating_sub(c.new_token_ids.len());
+            assert_eq!(
+                w.num_unconfirmed, c.num_output_placeholders as usize,
+                "{}: placeholders the worker must fill",
+                c.req_id
+            );
             w.block_table.extend(&c.new_block_ids);
             assert_eq!(w.num_computed_tokens, c.num_computed_tokens, "{}", c.req_id);
         }
@@ -135,7 +160,12 @@ impl SimWorker {
         for (id, n) in &so.num_scheduled_tokens {
             let w = &self.reqs[id];
             let r = sched.request(id).expect("scheduled request exists");
-            assert_eq!(w.token_ids, r.all_token_ids, "{id} token ids");
+            let known = r.all_token_ids.len();
+            assert_eq!(w.token_ids[..known], r.all_token_ids, "{id} token ids");
+            assert!(
+                w.token_ids.len() - known <= r.num_output_placeholders as usize,
+                "{id}: the worker holds more tokens than the scheduler plans on"
+            );
             assert_eq!(w.block_table, sched.block_ids(id), "{id} block table");
             assert_eq!(
                 w.num_computed_tokens + n,
@@ -191,9 +221,13 @@ impl SimWorker {
             }
             w.num_computed_tokens = end as u32;
             if end == w.token_ids.len() {
+                let token_id = sample(id, end);
+                // Kept unconfirmed, as the real worker does: an async step computes it next.
+                w.token_ids.push(token_id);
+                w.num_unconfirmed += 1;
                 sampled.push(SampledToken {
                     req_id: id.clone(),
-                    token_id: sample(id, end),
+                    token_id,
                     logprobs: None,
                 });
             }
@@ -211,6 +245,8 @@ pub struct Harness {
     pub worker: SimWorker,
     pub outputs: HashMap<String, Vec<EngineCoreOutput>>,
     pub steps: Vec<SchedulerOutput>,
+    /// Async scheduling: steps run by the worker whose output the scheduler has not seen.
+    pub pending: VecDeque<(SchedulerOutput, ModelRunnerOutput)>,
 }
 
 impl Harness {
@@ -221,7 +257,40 @@ impl Harness {
             worker: SimWorker::new(bs),
             outputs: HashMap::new(),
             steps: Vec::new(),
+            pending: VecDeque::new(),
         }
+    }
+
+    /// A harness whose steps pipeline as the engine loop's do with `--async-scheduling`.
+    pub fn new_async(mut cfg: SchedulerConfig) -> Self {
+        cfg.async_scheduling = true;
+        Self::new(cfg)
+    }
+
+    fn max_in_flight(&self) -> usize {
+        if self.sched.config().async_scheduling {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Applies the oldest step's output, as the engine does once it arrives.
+    pub fn update_oldest(&mut self) {
+        let Some((so, out)) = self.pending.pop_front() else {
+            return;
+        };
+        for o in self.sched.update_from_output(&so, &out) {
+            self.outputs
+                .entry(o.request_id.clone())
+                .or_default()
+                .push(o);
+        }
+        self.sched.check_invariants().unwrap();
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.sched.has_unfinished_requests() || !self.pending.is_empty()
     }
 
     pub fn add(&mut self, req: EngineCoreRequest) {
@@ -235,7 +304,12 @@ impl Harness {
     }
 
     /// One engine step: schedule, check limits, replay into the worker, run, update.
+    ///
+    /// With async scheduling the step's output is applied only after the next step has
+    /// been scheduled (or when nothing more can be), as the engine loop does; the worker
+    /// runs each step when it is scheduled, which keeps the order the real workers follow.
     pub fn step_with(&mut self, sample: &mut dyn FnMut(&str, usize) -> u32) -> SchedulerOutput {
+        assert!(self.pending.len() < self.max_in_flight());
         let so = self.sched.schedule();
         let cfg = self.sched.config().clone();
         assert!(so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens);
@@ -244,30 +318,39 @@ impl Harness {
         assert_eq!(sum, so.total_num_scheduled_tokens);
         self.sched.check_invariants().unwrap();
         if so.is_empty() {
-            // The engine sends nothing to the workers for an empty step.
+            // The engine sends nothing to the workers for an empty step, and waits for
+            // the one in flight.
+            self.update_oldest();
             return so;
         }
         self.worker.apply(&so);
         self.worker.check_against(&self.sched, &so);
         let out = self.worker.run(&so, sample);
-        for o in self.sched.update_from_output(&so, &out) {
-            self.outputs
-                .entry(o.request_id.clone())
-                .or_default()
-                .push(o);
+        self.pending.push_back((so.clone(), out));
+        if self.pending.len() == self.max_in_flight() {
+            self.update_oldest();
         }
-        self.sched.check_invariants().unwrap();
         self.steps.push(so.clone());
         so
     }
 
     /// Steps until no request is left (panics after `max_steps`).
     pub fn run_to_completion(&mut self, max_steps: usize) {
+        self.run_to_completion_with(max_steps, &mut default_token);
+    }
+
+    /// Steps with `sample` until no request is left and no step is in flight (panics
+    /// after `max_steps`).
+    pub fn run_to_completion_with(
+        &mut self,
+        max_steps: usize,
+        sample: &mut dyn FnMut(&str, usize) -> u32,
+    ) {
         for _ in 0..max_steps {
-            if !self.sched.has_unfinished_requests() {
+            if !self.has_work() {
                 return;
             }
-            self.step();
+            self.step_with(sample);
         }
         panic!("requests still unfinished after {max_steps} steps");
     }

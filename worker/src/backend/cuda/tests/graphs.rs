@@ -97,6 +97,7 @@ fn greedy_decode(
                     new_token_ids: vec![*out[i].last().unwrap()],
                     new_block_ids: vec![],
                     num_computed_tokens: (p.len() + step) as u32,
+                    num_output_placeholders: 0,
                 })
                 .collect(),
             num_scheduled_tokens: (0..prompts.len()).map(|i| (id(i), 1)).collect(),

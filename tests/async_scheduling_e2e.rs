@@ -9,9 +9,10 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Duration;
 
-use common::{metric, post_json, smollm2_gguf, Server};
+use common::{metric, post_json, smollm2_gguf, tiny_model, Server};
 use serde_json::{json, Value};
 
 /// One completion per body, all in flight at once; each choice's token ids and logprobs.
@@ -102,25 +103,42 @@ async fn compare(serial: &Server, asynchronous: &Server) {
     assert_eq!(expected, run_all(asynchronous, &stops).await);
 }
 
-fn with_async<'a>(flags: &[&'a str]) -> Vec<&'a str> {
-    let mut f = flags.to_vec();
-    f.push("--async-scheduling");
-    f
+/// The flags every comparison serves with: f32 on the CPU, and small steps so prefills
+/// are chunked.
+const BASE_FLAGS: [&str; 6] = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--max-num-batched-tokens",
+    "64",
+];
+
+/// A serial and an async server of `model` with `BASE_FLAGS` and `extra`.
+fn serial_and_async(model: &Path, extra: &[&str]) -> (Server, Server) {
+    let flags: Vec<&str> = BASE_FLAGS.iter().chain(extra).copied().collect();
+    let with_async: Vec<&str> = flags
+        .iter()
+        .copied()
+        .chain(["--async-scheduling"])
+        .collect();
+    (
+        Server::start_with_model(model, &flags),
+        Server::start_with_model(model, &with_async),
+    )
+}
+
+/// Compares the serial and async servers of the tiny model with `extra` on the workload,
+/// and returns the async one (for its metrics).
+async fn compare_with(extra: &[&str]) -> Server {
+    let (serial, asynchronous) = serial_and_async(tiny_model(), extra);
+    compare(&serial, &asynchronous).await;
+    asynchronous
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn async_scheduling_changes_no_output() {
-    let flags = [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--max-num-batched-tokens",
-        "64",
-    ];
-    let serial = Server::start(&flags);
-    let asynchronous = Server::start(&with_async(&flags));
-    compare(&serial, &asynchronous).await;
+    let asynchronous = compare_with(&[]).await;
     let hits = metric(&asynchronous, "vllm:prefix_cache_hits_total").await;
     assert!(hits > 0.0, "the workload must hit the prefix cache");
 }
@@ -128,38 +146,14 @@ async fn async_scheduling_changes_no_output() {
 #[tokio::test(flavor = "multi_thread")]
 async fn async_scheduling_with_constant_preemption_changes_no_output() {
     // 12 blocks of 16 tokens: a few long requests at a time, the rest preempted.
-    let flags = [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--max-num-batched-tokens",
-        "64",
-        "--num-gpu-blocks-override",
-        "12",
-    ];
-    let serial = Server::start(&flags);
-    let asynchronous = Server::start(&with_async(&flags));
-    compare(&serial, &asynchronous).await;
+    let asynchronous = compare_with(&["--num-gpu-blocks-override", "12"]).await;
     let preemptions = metric(&asynchronous, "vllm:num_preemptions_total").await;
     assert!(preemptions > 0.0, "the workload must preempt");
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn async_scheduling_at_tensor_parallel_2_changes_no_output() {
-    let flags = [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "-t",
-        "2",
-        "--max-num-batched-tokens",
-        "64",
-    ];
-    let serial = Server::start(&flags);
-    let asynchronous = Server::start(&with_async(&flags));
-    compare(&serial, &asynchronous).await;
+    compare_with(&["-t", "2"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -212,19 +206,8 @@ async fn aborts_mid_stream_leave_the_async_engine_serving() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn async_scheduling_on_smollm2_changes_no_output() {
-    let model = smollm2_gguf();
-    let flags = [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--max-num-batched-tokens",
-        "64",
-        "--num-gpu-blocks-override",
-        "24",
-    ];
-    let serial = Server::start_with_model(&model, &flags);
-    let asynchronous = Server::start_with_model(&model, &with_async(&flags));
+    let (serial, asynchronous) =
+        serial_and_async(&smollm2_gguf(), &["--num-gpu-blocks-override", "24"]);
     let prompts = [
         "The capital of France is",
         "List three colors:",

@@ -5,7 +5,7 @@
 use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
-use super::ops::{launch, CudaOps};
+use super::ops::{i32_of, launch, CudaOps};
 
 /// The most rows of x the kernel takes; above it, the GEMM has reuse for tensor cores.
 pub const GEMV_MAX_M: usize = 8;
@@ -72,7 +72,7 @@ impl CudaOps {
         self.check(x, m * k, "gemv x")?;
         self.check(w, n * k, "gemv w")?;
         self.check(out, m * n, "gemv out")?;
-        let (ki, ni) = (super::ops::i32_of(k, "k")?, super::ops::i32_of(n, "n")?);
+        let (ki, ni) = (i32_of(k, "k")?, i32_of(n, "n")?);
         let rows_per_block = GEMV_WARPS * rows_per_warp;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(rows_per_block) as u32, 1, 1),

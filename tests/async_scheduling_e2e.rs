@@ -103,25 +103,16 @@ async fn compare(serial: &Server, asynchronous: &Server) {
     assert_eq!(expected, run_all(asynchronous, &stops).await);
 }
 
-/// The flags every comparison serves with: f32 on the CPU, and small steps so prefills
-/// are chunked.
-const BASE_FLAGS: [&str; 6] = [
-    "--device",
-    "cpu",
-    "--dtype",
-    "float32",
-    "--max-num-batched-tokens",
-    "64",
-];
+/// f32 on the CPU, so both servers compute the same values.
+const CPU_F32: [&str; 4] = ["--device", "cpu", "--dtype", "float32"];
 
-/// A serial and an async server of `model` with `BASE_FLAGS` and `extra`.
+/// Small steps, so that the comparisons' prefills are chunked.
+const SMALL_STEPS: [&str; 2] = ["--max-num-batched-tokens", "64"];
+
+/// A serial and an async server of `model` with `CPU_F32`, `SMALL_STEPS` and `extra`.
 fn serial_and_async(model: &Path, extra: &[&str]) -> (Server, Server) {
-    let flags: Vec<&str> = BASE_FLAGS.iter().chain(extra).copied().collect();
-    let with_async: Vec<&str> = flags
-        .iter()
-        .copied()
-        .chain(["--async-scheduling"])
-        .collect();
+    let flags = [&CPU_F32[..], &SMALL_STEPS, extra].concat();
+    let with_async = [&flags[..], &["--async-scheduling"]].concat();
     (
         Server::start_with_model(model, &flags),
         Server::start_with_model(model, &with_async),
@@ -158,14 +149,7 @@ async fn async_scheduling_at_tensor_parallel_2_changes_no_output() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn aborts_mid_stream_leave_the_async_engine_serving() {
-    let flags = [
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--async-scheduling",
-    ];
-    let server = Server::start(&flags);
+    let server = Server::start(&[&CPU_F32[..], &["--async-scheduling"]].concat());
     // Streams dropped after their first few events: the frontend aborts them in the engine
     // while their steps are in flight.
     let streams = (0..6).map(|i| {
@@ -195,7 +179,7 @@ async fn aborts_mid_stream_leave_the_async_engine_serving() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let serial = Server::start(&["--device", "cpu", "--dtype", "float32"]);
+    let serial = Server::start(&CPU_F32);
     let bodies = bodies();
     assert_eq!(
         run_all(&serial, &bodies).await,

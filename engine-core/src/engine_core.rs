@@ -159,12 +159,7 @@ enum Flow {
 
 impl EngineCore<'_> {
     async fn run(&mut self) -> anyhow::Result<()> {
-        // Async scheduling queues one step behind the one running: depth 1, as vLLM's.
-        let max_in_flight = if self.scheduler.config().async_scheduling {
-            2
-        } else {
-            1
-        };
+        let max_in_flight = self.scheduler.config().max_steps_in_flight();
         loop {
             if self.drain_inputs().await? == Flow::Shutdown {
                 return Ok(());
@@ -176,7 +171,7 @@ impl EngineCore<'_> {
                 if !so.is_empty() {
                     let schedule = started.elapsed();
                     let submitted = Instant::now();
-                    self.executor.submit(so.clone()).await?;
+                    let so = self.executor.submit(so).await?;
                     self.in_flight.push_back(SentStep {
                         so,
                         schedule,

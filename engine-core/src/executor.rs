@@ -182,13 +182,18 @@ impl Executor {
 
     /// Sends one step to every rank without waiting for it: the ranks queue it behind the
     /// steps they are running (they run steps in the order sent). Its output is awaited
-    /// with [`Executor::wait_for_output`]; an error if a rank cannot be reached.
-    pub async fn submit(&mut self, so: SchedulerOutput) -> anyhow::Result<()> {
+    /// with [`Executor::wait_for_output`]; an error if a rank cannot be reached. The step
+    /// comes back, for the caller to update from once its output arrives.
+    pub async fn submit(&mut self, so: SchedulerOutput) -> anyhow::Result<SchedulerOutput> {
         let step_id = so.step_id;
-        self.broadcast(&WorkerInput::Execute(so)).await?;
+        let msg = WorkerInput::Execute(so);
+        self.broadcast(&msg).await?;
         self.in_flight
             .push_back((step_id, tokio::time::Instant::now()));
-        Ok(())
+        match msg {
+            WorkerInput::Execute(so) => Ok(so),
+            _ => unreachable!("built as Execute above"),
+        }
     }
 
     /// Rank 0's output of the oldest step submitted; an error if a rank dies, fails, or
@@ -227,11 +232,6 @@ impl Executor {
                 _ => tracing::warn!("unexpected worker message during a step"),
             }
         }
-    }
-
-    /// Steps submitted whose output has not been taken.
-    pub fn num_in_flight(&self) -> usize {
-        self.in_flight.len()
     }
 
     /// Waits until a worker dies or fails, for an idle engine that must still notice.

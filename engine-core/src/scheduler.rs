@@ -286,13 +286,14 @@ impl Scheduler {
     /// steps in order), so the resumed request finds them again. The step's sampled token
     /// is dropped when it arrives (the admission is over) and sampled again on resumption.
     fn preempt(&mut self, id: &str) {
+        if let Some(req) = self.requests.get(id) {
+            self.kv_cache_manager
+                .cache_blocks(id, &req.block_hashes, req.num_computed_tokens);
+        }
+        self.kv_cache_manager.free(id);
         let Some(req) = self.requests.get_mut(id) else {
-            self.kv_cache_manager.free(id);
             return;
         };
-        self.kv_cache_manager
-            .cache_blocks(id, &req.block_hashes, req.num_computed_tokens);
-        self.kv_cache_manager.free(id);
         req.status = RequestStatus::Preempted;
         req.num_computed_tokens = 0;
         req.num_output_placeholders = 0;
@@ -427,9 +428,10 @@ impl Scheduler {
     /// workers' data recorded the count computed *before* this step).
     fn build_output(&mut self, plan: StepPlan) -> SchedulerOutput {
         let mut so = SchedulerOutput::default();
+        // Cached requests follow the new ones in `num_scheduled_tokens`, and their
+        // in-flight records follow the same order.
         let mut cached_order = Vec::with_capacity(plan.running.len());
-        let mut new_records = Vec::with_capacity(plan.admitted.len());
-        let mut cached_records = Vec::with_capacity(plan.running.len());
+        let mut records = Vec::with_capacity(plan.admitted.len() + plan.running.len());
         for (id, n) in plan.admitted.into_iter().chain(plan.running) {
             let Some(req) = self.requests.get_mut(&id) else {
                 continue;
@@ -442,12 +444,11 @@ impl Scheduler {
             if req.known_to_workers {
                 so.scheduled_cached_reqs
                     .push(cached_request_data(req, block_ids));
-                cached_order.push((id, n));
-                cached_records.push(record);
+                cached_order.push(((id, n), record));
             } else {
                 so.scheduled_new_reqs.push(new_request_data(req, block_ids));
                 so.num_scheduled_tokens.push((id, n));
-                new_records.push(record);
+                records.push(record);
             }
             req.num_computed_tokens += n;
             if record.samples {
@@ -456,25 +457,22 @@ impl Scheduler {
             }
             so.total_num_scheduled_tokens += n;
         }
-        so.num_scheduled_tokens.extend(cached_order);
+        for (scheduled, record) in cached_order {
+            so.num_scheduled_tokens.push(scheduled);
+            records.push(record);
+        }
         // Dropped-state notices ride only on steps the engine will send to the workers.
         if so.total_num_scheduled_tokens > 0 {
             self.step_id += 1;
             so.finished_req_ids = std::mem::take(&mut self.finished_req_ids);
             so.preempted_req_ids = std::mem::take(&mut self.preempted_req_ids);
-            new_records.extend(cached_records);
             self.in_flight.push(InFlightStep {
                 step_id: self.step_id,
-                requests: new_records,
+                requests: records,
             });
         }
         so.step_id = self.step_id;
         so
-    }
-
-    /// Steps scheduled and not yet updated from their output.
-    pub fn num_steps_in_flight(&self) -> usize {
-        self.in_flight.len()
     }
 
     /// Applies rank 0's sampled tokens: one `EngineCoreOutput` per request that got a
@@ -691,9 +689,9 @@ impl Scheduler {
                 return Err(format!("waiting {id} holds output placeholders"));
             }
         }
-        if self.in_flight.len() > 2 {
+        if self.in_flight.len() > self.config.max_steps_in_flight() {
             return Err(format!(
-                "{} steps in flight (async scheduling sends one ahead at most)",
+                "{} steps in flight, more than the engine keeps sent",
                 self.in_flight.len()
             ));
         }

@@ -9,19 +9,26 @@ use std::collections::HashMap;
 
 use common::*;
 use proptest::prelude::*;
-use vllm_engine_core::scheduler::{SchedulerConfig, SchedulingPolicy};
+use vllm_engine_core::scheduler::SchedulerConfig;
 use vllm_protocol::{FinishReason, SamplingParams};
-
-/// A sampler that gives eos at one position and 77 elsewhere.
-fn eos_at(n: usize) -> impl FnMut(&str, usize) -> u32 {
-    move |_: &str, pos: usize| if pos == n { EOS } else { 77 }
-}
 
 fn with_eos(max_tokens: u32) -> SamplingParams {
     SamplingParams {
         max_tokens,
         ..SamplingParams::default()
     }
+}
+
+/// Request "r" (eos as its 3rd output token, position 4 + 2) after four steps: step 3's
+/// output finished it while step 4, scheduled on that token's placeholder, is in flight.
+fn finished_with_a_step_in_flight() -> Harness {
+    let mut h = Harness::new_async(config(64, 4));
+    h.add(request("r", prompt(1, 4), with_eos(10)));
+    let mut sample = eos_at(6);
+    for _ in 0..4 {
+        h.step_with(&mut sample);
+    }
+    h
 }
 
 fn steps_with(h: &Harness, id: &str) -> Vec<u64> {
@@ -34,13 +41,7 @@ fn steps_with(h: &Harness, id: &str) -> Vec<u64> {
 
 #[test]
 fn a_request_finished_at_n_and_scheduled_in_n_plus_1_never_emits_that_token() {
-    let mut h = Harness::new_async(config(64, 4));
-    h.add(request("r", prompt(1, 4), with_eos(10)));
-    // eos is the 3rd output token: position 4 + 2.
-    let mut sample = eos_at(6);
-    for _ in 0..4 {
-        h.step_with(&mut sample);
-    }
+    let mut h = finished_with_a_step_in_flight();
     // Step 4 was scheduled on the placeholder of step 3's token (eos); step 3's output then
     // finished the request while step 4 is still in flight.
     assert_eq!(steps_with(&h, "r"), vec![1, 2, 3, 4]);
@@ -149,12 +150,7 @@ fn abort_while_in_flight_drops_the_step_output() {
 
 #[test]
 fn a_reused_request_id_never_takes_the_old_requests_token() {
-    let mut h = Harness::new_async(config(64, 4));
-    h.add(request("r", prompt(1, 4), with_eos(10)));
-    let mut sample = eos_at(6);
-    for _ in 0..4 {
-        h.step_with(&mut sample);
-    }
+    let mut h = finished_with_a_step_in_flight();
     assert!(
         h.sched.request("r").is_none(),
         "finished with step 4 in flight"
@@ -244,13 +240,7 @@ proptest! {
         caching in prop::bool::weighted(0.8),
         priority in any::<bool>(),
     ) {
-        let mut cfg = config(blocks, 4);
-        cfg.max_num_seqs = 4;
-        cfg.max_num_batched_tokens = 16;
-        cfg.max_model_len = 48;
-        cfg.enable_chunked_prefill = chunked;
-        cfg.enable_prefix_caching = caching;
-        cfg.policy = if priority { SchedulingPolicy::Priority } else { SchedulingPolicy::Fcfs };
+        let cfg = small_config(blocks, chunked, caching, priority);
         let mut reqs = Vec::new();
         for (i, (family, shared, tail, max_tokens, min_tokens, ignore_eos, stop, prio)) in
             specs.into_iter().enumerate()

@@ -8,7 +8,6 @@ mod common;
 
 use common::*;
 use proptest::prelude::*;
-use vllm_engine_core::scheduler::SchedulingPolicy;
 use vllm_protocol::SamplingParams;
 
 #[derive(Debug, Clone)]
@@ -69,17 +68,7 @@ fn run_ops(
     blocks: u32,
     async_scheduling: bool,
 ) -> vllm_protocol::SchedulerStats {
-    let mut cfg = config(blocks, 4);
-    cfg.max_num_seqs = 4;
-    cfg.max_num_batched_tokens = 16;
-    cfg.max_model_len = 48;
-    cfg.enable_chunked_prefill = chunked;
-    cfg.enable_prefix_caching = caching;
-    cfg.policy = if priority {
-        SchedulingPolicy::Priority
-    } else {
-        SchedulingPolicy::Fcfs
-    };
+    let mut cfg = small_config(blocks, chunked, caching, priority);
     cfg.async_scheduling = async_scheduling;
     let mut h = Harness::new(cfg);
     let mut next_id = 0u32;

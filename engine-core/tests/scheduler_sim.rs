@@ -341,7 +341,6 @@ fn stop_conditions_with_async_scheduling() {
 }
 
 fn stop_conditions_with(async_scheduling: bool) {
-    let eos_at = |n: usize| move |_: &str, pos: usize| if pos == n { EOS } else { 77 };
     let run = |p: SamplingParams,
                prompt_len: u32,
                max_model_len: u32,

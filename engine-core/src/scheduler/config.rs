@@ -37,6 +37,18 @@ pub struct SchedulerConfig {
     pub async_scheduling: bool,
 }
 
+impl SchedulerConfig {
+    /// Steps the engine keeps sent and unanswered: with async scheduling one is queued
+    /// behind the running one (depth 1, as vLLM's).
+    pub fn max_steps_in_flight(&self) -> usize {
+        if self.async_scheduling {
+            2
+        } else {
+            1
+        }
+    }
+}
+
 impl Default for SchedulerConfig {
     /// vLLM's serving defaults; `max_model_len` and `num_gpu_blocks` come from the model
     /// and the memory profile in practice.

@@ -38,6 +38,29 @@ pub fn config(num_gpu_blocks: u32, block_size: u32) -> SchedulerConfig {
     }
 }
 
+/// The small, crowded config of the random-workload tests: 4 sequences, 16-token steps,
+/// 48-token sequences, blocks of 4 tokens.
+pub fn small_config(blocks: u32, chunked: bool, caching: bool, priority: bool) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 4,
+        max_num_batched_tokens: 16,
+        max_model_len: 48,
+        enable_chunked_prefill: chunked,
+        enable_prefix_caching: caching,
+        policy: if priority {
+            SchedulingPolicy::Priority
+        } else {
+            SchedulingPolicy::Fcfs
+        },
+        ..config(blocks, 4)
+    }
+}
+
+/// A sampler that gives eos at position `n` and 77 elsewhere.
+pub fn eos_at(n: usize) -> impl FnMut(&str, usize) -> u32 {
+    move |_: &str, pos: usize| if pos == n { EOS } else { 77 }
+}
+
 pub fn params(max_tokens: u32) -> SamplingParams {
     SamplingParams {
         max_tokens,
@@ -267,14 +290,6 @@ impl Harness {
         Self::new(cfg)
     }
 
-    fn max_in_flight(&self) -> usize {
-        if self.sched.config().async_scheduling {
-            2
-        } else {
-            1
-        }
-    }
-
     /// Applies the oldest step's output, as the engine does once it arrives.
     pub fn update_oldest(&mut self) {
         let Some((so, out)) = self.pending.pop_front() else {
@@ -309,7 +324,7 @@ impl Harness {
     /// been scheduled (or when nothing more can be), as the engine loop does; the worker
     /// runs each step when it is scheduled, which keeps the order the real workers follow.
     pub fn step_with(&mut self, sample: &mut dyn FnMut(&str, usize) -> u32) -> SchedulerOutput {
-        assert!(self.pending.len() < self.max_in_flight());
+        assert!(self.pending.len() < self.sched.config().max_steps_in_flight());
         let so = self.sched.schedule();
         let cfg = self.sched.config().clone();
         assert!(so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens);
@@ -327,7 +342,7 @@ impl Harness {
         self.worker.check_against(&self.sched, &so);
         let out = self.worker.run(&so, sample);
         self.pending.push_back((so.clone(), out));
-        if self.pending.len() == self.max_in_flight() {
+        if self.pending.len() == self.sched.config().max_steps_in_flight() {
             self.update_oldest();
         }
         self.steps.push(so.clone());

@@ -168,49 +168,26 @@ mod tests {
         assert_eq!(sse.push(b"data:x\ndata: y\n\n"), vec!["x\ny"]);
     }
 
-    /// Serves one streamed completion whose token chunks all have empty text (a model
-    /// that emits special tokens only), then closes.
+    /// Serves streamed completions whose token chunks all have empty text (a model that
+    /// emits special tokens only).
     async fn serve_empty_text_stream() -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let chunk = |finish: &str| {
+            format!("data: {{\"choices\": [{{\"index\": 0, \"text\": \"\", \"finish_reason\": {finish}}}]}}\n\n")
+        };
+        let mut body = chunk("null").repeat(3);
+        body.push_str(&chunk("\"length\""));
+        body.push_str("data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 2, \"completion_tokens\": 4}}\n\n");
+        body.push_str("data: [DONE]\n\n");
+        let stream = move || async move {
+            (
+                [(axum::http::header::CONTENT_TYPE, "text/event-stream")],
+                body,
+            )
+        };
+        let app = axum::Router::new().route("/v1/completions", axum::routing::post(stream));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/v1/completions", listener.local_addr().unwrap());
-        tokio::spawn(async move {
-            let (mut sock, _) = listener.accept().await.unwrap();
-            // Read the whole request (headers, then the body its content-length gives).
-            let mut request = Vec::new();
-            let mut buf = [0u8; 4096];
-            loop {
-                let n = sock.read(&mut buf).await.unwrap();
-                request.extend_from_slice(&buf[..n]);
-                let text = String::from_utf8_lossy(&request).to_lowercase();
-                if let Some(end) = text.find("\r\n\r\n") {
-                    let length = text
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .and_then(|v| v.trim().parse::<usize>().ok())
-                        .unwrap_or(0);
-                    if request.len() >= end + 4 + length {
-                        break;
-                    }
-                }
-            }
-            let chunk = |finish: &str| {
-                format!("data: {{\"choices\": [{{\"index\": 0, \"text\": \"\", \"finish_reason\": {finish}}}]}}\n\n")
-            };
-            let mut body = String::new();
-            for _ in 0..3 {
-                body.push_str(&chunk("null"));
-            }
-            body.push_str(&chunk("\"length\""));
-            body.push_str("data: {\"choices\": [], \"usage\": {\"prompt_tokens\": 2, \"completion_tokens\": 4}}\n\n");
-            body.push_str("data: [DONE]\n\n");
-            let head =
-                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n";
-            sock.write_all(format!("{head}{body}").as_bytes())
-                .await
-                .unwrap();
-            sock.shutdown().await.unwrap();
-        });
+        tokio::spawn(async move { axum::serve(listener, app).await });
         url
     }
 

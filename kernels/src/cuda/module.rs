@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use cudarc::driver::{CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
+use super::attention_plan::HEAD_DIMS;
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::{cache, nvrtc, sources};
@@ -44,15 +45,10 @@ pub struct Functions<F = CudaFunction> {
     pub sample_fast_draw: F,
 }
 
-/// Looks up each name of `names` in order.
-fn family<F, const N: usize>(
-    lookup: &mut dyn FnMut(&str) -> Result<F>,
-    names: [String; N],
-) -> Result<[F; N]> {
-    let found = names
-        .iter()
-        .map(|name| lookup(name))
-        .collect::<Result<Vec<F>>>()?;
+/// `each` of `items`, in order, as an array: a family of kernels instantiated for each
+/// value of a template parameter.
+fn family<I, T, const N: usize>(items: [I; N], each: impl FnMut(I) -> Result<T>) -> Result<[T; N]> {
+    let found = items.into_iter().map(each).collect::<Result<Vec<T>>>()?;
     found
         .try_into()
         .map_err(|_| anyhow::anyhow!("a kernel family lost a member"))
@@ -61,13 +57,7 @@ fn family<F, const N: usize>(
 impl<F> Functions<F> {
     /// Every kernel of the `dtype` module, each obtained from `lookup` by its
     /// `extern "C"` name: the one list of names that loading and the NVRTC test share.
-    pub fn lookup(dtype: DType, mut lookup: impl FnMut(&str) -> Result<F>) -> Result<Self> {
-        let f: &mut dyn FnMut(&str) -> Result<F> = &mut lookup;
-        // `{name}_d16` … `{name}_d128`, in HEAD_DIMS order.
-        let head_dims = |name: &str| [16, 32, 64, 128].map(|d| format!("{name}_d{d}"));
-        // The decode kernels of one head size, by padded group (1, 2, 4, 8).
-        let decode = |d: usize| [1, 2, 4, 8].map(|g| format!("paged_attention_decode_d{d}_g{g}"));
-        let gemv = |m: usize| [1, 2].map(|r| format!("gemv_m{m}_r{r}"));
+    pub fn lookup(dtype: DType, mut f: impl FnMut(&str) -> Result<F>) -> Result<Self> {
         Ok(Self {
             embedding: f("embedding")?,
             rms_norm: f("rms_norm")?,
@@ -82,28 +72,23 @@ impl<F> Functions<F> {
             add_bias: f("add_bias")?,
             fill: f("fill")?,
             dummy_fill: f("dummy_fill")?,
-            gemv: [
-                family(f, gemv(1))?,
-                family(f, gemv(2))?,
-                family(f, gemv(3))?,
-                family(f, gemv(4))?,
-                family(f, gemv(5))?,
-                family(f, gemv(6))?,
-                family(f, gemv(7))?,
-                family(f, gemv(8))?,
-            ],
-            paged_attention: family(f, head_dims("paged_attention"))?,
+            gemv: family([1, 2, 3, 4, 5, 6, 7, 8], |m| {
+                family([1, 2], |r| f(&format!("gemv_m{m}_r{r}")))
+            })?,
+            paged_attention: family(HEAD_DIMS, |d| f(&format!("paged_attention_d{d}")))?,
             paged_attention_combine: f("paged_attention_combine")?,
-            paged_attention_decode: [
-                family(f, decode(16))?,
-                family(f, decode(32))?,
-                family(f, decode(64))?,
-                family(f, decode(128))?,
-            ],
+            // By head size, then padded GQA group.
+            paged_attention_decode: family(HEAD_DIMS, |d| {
+                family([1, 2, 4, 8], |g| {
+                    f(&format!("paged_attention_decode_d{d}_g{g}"))
+                })
+            })?,
             paged_attention_decode_combine: f("paged_attention_decode_combine")?,
             paged_attention_prefill: match dtype {
                 DType::F32 => None,
-                _ => Some(family(f, head_dims("paged_attention_prefill"))?),
+                _ => Some(family(HEAD_DIMS, |d| {
+                    f(&format!("paged_attention_prefill_d{d}"))
+                })?),
             },
             sample_tokens_ex: f("sample_tokens_ex")?,
             sample_fast_max: f("sample_fast_max")?,

@@ -3,9 +3,9 @@
 //! split-K tiles leave two thirds of the bandwidth unused (docs/BENCHMARKS.md).
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::ops::{i32_of, launch, CudaOps};
+use super::ops::{i32_of, launch, rows_cfg, CudaOps};
 
 /// The most rows of x the kernel takes; above it, the GEMM has reuse for tensor cores.
 pub const GEMV_MAX_M: usize = 8;
@@ -74,11 +74,7 @@ impl CudaOps {
         self.check(out, m * n, "gemv out")?;
         let (ki, ni) = (i32_of(k, "k")?, i32_of(n, "n")?);
         let rows_per_block = GEMV_WARPS * rows_per_warp;
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(rows_per_block) as u32, 1, 1),
-            block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_cfg(n.div_ceil(rows_per_block), (GEMV_WARPS * 32) as u32);
         // SAFETY: sizes and alignment checked above; the kernel reads x [m, k] and
         // w [n, k] and writes out [m, n].
         launch!(unsafe self, &self.f.gemv[m - 1][rows_per_warp - 1] => "gemv", cfg;

@@ -217,7 +217,7 @@ fn grid_stride(n: usize, num_sms: usize) -> LaunchConfig {
     }
 }
 
-fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
+pub(crate) fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads, 1, 1),

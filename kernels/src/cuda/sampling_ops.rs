@@ -13,7 +13,7 @@ use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::device::driver_error;
-use super::ops::{launch, CudaOps};
+use super::ops::{launch, rows_cfg, CudaOps};
 
 /// Most top logprobs per row (vLLM's `max_logprobs` default, `MAX_LOGPROBS` in sampling.cu).
 pub const MAX_LOGPROBS: usize = 20;
@@ -266,16 +266,18 @@ impl CudaOps {
             "sampling: {rows} rows of {vocab} tokens exceed the fast path's grid"
         );
         let n = rows * chunks;
-        let alloc_err = |e| driver_error("allocating sampling scratch", e);
-        // SAFETY (the four allocs): every element is written by a chunk's block before the
+        // Scratch left uninitialised: every element is written by a chunk's block before the
         // row's last block reads it, and row_max / row_fallback by sample_fast_max before
         // sample_fast_draw (same stream) reads them.
-        let mut part_val = unsafe { self.stream.alloc::<f32>(n) }.map_err(alloc_err)?;
-        let mut part_id = unsafe { self.stream.alloc::<i32>(n) }.map_err(alloc_err)?;
-        let mut row_max = unsafe { self.stream.alloc::<f32>(rows) }.map_err(alloc_err)?;
-        let mut row_fallback = unsafe { self.stream.alloc::<i32>(rows) }.map_err(alloc_err)?;
+        let mut part_val = self.output::<f32>(n, None)?;
+        let mut part_id = self.output::<i32>(n, None)?;
+        let mut row_max = self.output::<f32>(rows, None)?;
+        let mut row_fallback = self.output::<i32>(rows, None)?;
         // The per-row arrival counters start at 0; each launch's last block puts its back.
-        let mut counters = self.stream.alloc_zeros::<u32>(rows).map_err(alloc_err)?;
+        let mut counters = self
+            .stream
+            .alloc_zeros::<u32>(rows)
+            .map_err(|e| driver_error("allocating sampling counters", e))?;
         let cfg = LaunchConfig {
             grid_dim: (rows as u32, chunks as u32, 1),
             block_dim: (FAST_THREADS, 1, 1),
@@ -288,8 +290,8 @@ impl CudaOps {
         if !draw {
             return Ok(());
         }
-        let mut part_mass = unsafe { self.stream.alloc::<f64>(n) }.map_err(alloc_err)?;
-        let mut part_last = unsafe { self.stream.alloc::<i32>(n) }.map_err(alloc_err)?;
+        let mut part_mass = self.output::<f64>(n, None)?;
+        let mut part_last = self.output::<i32>(n, None)?;
         // SAFETY: as above.
         launch!(unsafe self, sample_fast_draw, cfg; logits, &vocab, params, &row_max,
             &row_fallback, &mut part_mass, &mut part_last, &mut counters, &mut *tokens)
@@ -341,11 +343,7 @@ impl CudaOps {
             let entries = self.upload_padded(batch.entries, LogitEntry::default())?;
             let biases = self.upload_padded(batch.biases, 0.0f32)?;
             let mut values = self.output(batch.entries.len(), poison.then_some(f32::NAN))?;
-            let cfg = LaunchConfig {
-                grid_dim: (rows as u32, 1, 1),
-                block_dim: (1024, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = rows_cfg(rows, 1024);
             // SAFETY: the logits size is checked above, and `validate` checked every index
             // the kernel follows (entry and bias ranges, tokens < vocab, logprobs slots).
             launch!(unsafe self, sample_tokens_ex, cfg; logits, &v, &params, &entries, &biases,

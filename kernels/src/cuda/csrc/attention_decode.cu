@@ -48,13 +48,7 @@ __device__ __forceinline__ void load8(const scalar_t* p, float* out) {
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
     out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 #else
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        out[2 * i] = to_f32((u16)(w[i] & 0xffffu));
-        out[2 * i + 1] = to_f32((u16)(w[i] >> 16));
-    }
+    unpack16(*reinterpret_cast<const uint4*>(p), out);
 #endif
 }
 

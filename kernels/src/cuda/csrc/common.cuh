@@ -95,6 +95,24 @@ __device__ __forceinline__ void load4(const scalar_t* p, float* out) {
 #endif
 }
 
+// Elements of one 16-byte load.
+constexpr int VEC16 = 16 / (int)sizeof(scalar_t);
+
+// The VEC16 elements of a 16-byte chunk as f32.
+__device__ __forceinline__ void unpack16(const uint4& v, float* f) {
+    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#if defined(VLLM_DTYPE_F32)
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] = __uint_as_float(w[i]);
+#else
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = to_f32((u16)(w[i] & 0xffffu));
+        f[2 * i + 1] = to_f32((u16)(w[i] >> 16));
+    }
+#endif
+}
+
 // The `extern "C"` entry points of a kernel templated on the head size: NAME_d16, _d32,
 // _d64 and _d128 (the sizes `attention_plan.rs` lists in HEAD_DIMS).
 #define HEAD_DIM_KERNELS(NAME, IMPL, THREADS, ARGS)                                          \

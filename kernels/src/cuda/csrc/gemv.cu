@@ -6,11 +6,10 @@
 // a few KB, read by every warp) stays there. Sums are in f32 and each lane's partial
 // sums are reduced across the warp at the end, so one output is rounded once.
 //
-// Contract (checked by the host, gemv.rs): k is a multiple of GEMV_VEC, and x, w and out
+// Contract (checked by the host, gemv.rs): k is a multiple of VEC16, and x, w and out
 // start 16-byte aligned.
 
 #define GEMV_WARPS 8
-constexpr int GEMV_VEC = 16 / (int)sizeof(scalar_t);
 constexpr int GEMV_UNROLL = 4;
 
 // A 16-byte chunk of weights: read once, so not kept in L1.
@@ -22,36 +21,21 @@ __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
     return v;
 }
 
-// The GEMV_VEC elements of a chunk as f32.
-__device__ __forceinline__ void unpack(const uint4& v, float* f) {
-    const unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#if defined(VLLM_DTYPE_F32)
-#pragma unroll
-    for (int i = 0; i < 4; i++) f[i] = __uint_as_float(w[i]);
-#else
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = to_f32((u16)(w[i] & 0xffffu));
-        f[2 * i + 1] = to_f32((u16)(w[i] >> 16));
-    }
-#endif
-}
-
 // acc[m][r] += x[m, chunk c] . w[row r, chunk c]
 template <int M, int R>
 __device__ __forceinline__ void gemv_chunk(const uint4 (&wv)[R], const uint4* __restrict__ xv,
                                            int chunks, int c, float (&acc)[M][R]) {
-    float wf[R][GEMV_VEC];
+    float wf[R][VEC16];
 #pragma unroll
-    for (int r = 0; r < R; r++) unpack(wv[r], wf[r]);
+    for (int r = 0; r < R; r++) unpack16(wv[r], wf[r]);
 #pragma unroll
     for (int m = 0; m < M; m++) {
-        float xf[GEMV_VEC];
-        unpack(__ldg(xv + m * chunks + c), xf);
+        float xf[VEC16];
+        unpack16(__ldg(xv + m * chunks + c), xf);
 #pragma unroll
         for (int r = 0; r < R; r++) {
 #pragma unroll
-            for (int j = 0; j < GEMV_VEC; j++) acc[m][r] = fmaf(xf[j], wf[r][j], acc[m][r]);
+            for (int j = 0; j < VEC16; j++) acc[m][r] = fmaf(xf[j], wf[r][j], acc[m][r]);
         }
     }
 }
@@ -63,7 +47,7 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
     const int lane = threadIdx.x & 31;
     const long long row0 = ((long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
     if (row0 >= n) return;
-    const int chunks = k / GEMV_VEC;
+    const int chunks = k / VEC16;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     // Rows past n (the last warp of an odd n) re-read the last row and are not written.
     const uint4* wr[R];

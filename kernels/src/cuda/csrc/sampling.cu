@@ -42,6 +42,9 @@ struct SampleRow {
     double uniform;
 };
 
+// `SampleRowEx::path` of a row sampled by sampling_fast.cu (PATH_FAST in sampling_ops.rs).
+#define PATH_FAST 1
+
 // One row of `sample_tokens_ex` (SampleRowEx in sampling_ops.rs).
 struct SampleRowEx {
     SampleRow base;
@@ -564,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                      TokenLogprobsOut* __restrict__ out_logprobs) {
     const int row = blockIdx.x;
     const SampleRowEx p = params[row];
-    if (p.path == 1) return;  // PATH_FAST (sampling_fast.cu)
+    if (p.path == PATH_FAST) return;  // sampling_fast.cu's row
     const scalar_t* x = logits + (long long)row * vocab;
     process_entries(x, p, entries, biases, values);
     RowView r;

@@ -17,7 +17,6 @@
 
 #define FAST_THREADS 256
 #define FAST_CHUNK 8192
-#define PATH_FAST 1
 // Elements of one 16-byte load.
 #define FAST_VEC (16 / (int)sizeof(scalar_t))
 

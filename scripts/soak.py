@@ -178,14 +178,13 @@ def rss_check(samples):
     if len(samples) < 4:
         return False, f"{len(samples)} samples after warm-up: too few for a trend"
     quarter = len(samples) // 4
-    first, last = samples[:quarter], samples[-quarter:]
-    base, end = median([s[0] for s in first]), median([s[0] for s in last])
-    ok = base * 0.9 <= end <= base * 1.1
     rss = [s[0] for s in samples]
-    mib = lambda kib: f"{kib / 1024:.1f}"
     # The trend, one median per quarter, tells a leak (steady growth) from spikes.
-    trend = " ".join(mib(median([s[0] for s in samples[q * quarter:(q + 1) * quarter]]))
-                     for q in range(4))
+    quarters = [median(rss[q * quarter:(q + 1) * quarter]) for q in range(4)]
+    base, end = quarters[0], median(rss[-quarter:])
+    ok = base * 0.9 <= end <= base * 1.1
+    mib = lambda kib: f"{kib / 1024:.1f}"
+    trend = " ".join(mib(m) for m in quarters)
     return ok, (f"median {mib(base)} MiB in the first quarter after warm-up, {mib(end)} MiB "
                 f"in the last ({(end / base - 1) * 100:+.1f}%); per quarter: {trend} MiB; "
                 f"range {mib(min(rss))}-{mib(max(rss))} MiB; anon/file at the end "

@@ -39,9 +39,9 @@ def kind(s):
     return "decode" if s.get("tokens") == s.get("seqs") else "prefill/mixed"
 
 
-def table(paths, message, phases):
+def table(rows, message, phases):
     groups = defaultdict(list)
-    for s in steps(paths, message):
+    for s in rows:
         groups[kind(s)].append(s)
     if not groups:
         print(f"no '{message}' lines (RUST_LOG must enable the step targets at debug)")
@@ -62,10 +62,12 @@ def main():
     paths = sys.argv[1:]
     if not paths:
         sys.exit(__doc__)
-    table(paths, "engine step", ["schedule_us", "execute_us", "update_us"])
-    table(paths, "engine step", ["ahead_us", "wait_us"])
-    table(paths, "worker step", ["enqueue_us", "sample_us"])
-    table(paths, "step executed", ["idle_us", "execute_us"])
+    # Each log is read once per message; the engine's lines feed two tables.
+    engine = list(steps(paths, "engine step"))
+    table(engine, "engine step", ["schedule_us", "execute_us", "update_us"])
+    table(engine, "engine step", ["ahead_us", "wait_us"])
+    table(steps(paths, "worker step"), "worker step", ["enqueue_us", "sample_us"])
+    table(steps(paths, "step executed"), "step executed", ["idle_us", "execute_us"])
 
 
 if __name__ == "__main__":

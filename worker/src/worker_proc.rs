@@ -89,6 +89,7 @@ async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
                     rank = args.rank,
                     step = so.step_id,
                     tokens = so.total_num_scheduled_tokens,
+                    seqs = so.num_scheduled_tokens.len(),
                     idle_us = idle.as_micros() as u64,
                     execute_us = executed.as_micros() as u64,
                     "step executed"

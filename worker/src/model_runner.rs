@@ -330,6 +330,19 @@ impl<B: Backend> ModelRunner<B> {
         )?))
     }
 
+    /// Pairs each request with the token (and logprobs) sampled for it, and keeps the
+    /// tokens in the batch, unconfirmed: with async scheduling the next step computes them
+    /// before the engine-core has seen them.
+    fn record_sampled(
+        &mut self,
+        req_ids: &[String],
+        sampled: Vec<(u32, Option<vllm_protocol::TokenLogprobs>)>,
+    ) -> Vec<SampledToken> {
+        let tokens = sampled_tokens(req_ids, sampled);
+        self.batch.record_sampled(&tokens);
+        tokens
+    }
+
     /// Runs one step and samples a token for every request that completes its sequence.
     pub fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
         let mut output = ModelRunnerOutput {
@@ -344,10 +357,7 @@ impl<B: Backend> ModelRunner<B> {
         let sampled = self
             .sampler
             .sample(&mut logits, self.model_config.vocab_size, &reqs);
-        output.sampled = sampled_tokens(&sampled_req_ids, sampled);
-        // Kept unconfirmed: with async scheduling the next step computes them before the
-        // engine-core has seen them.
-        self.batch.record_sampled(&output.sampled);
+        output.sampled = self.record_sampled(&sampled_req_ids, sampled);
         Ok(output)
     }
 
@@ -618,10 +628,7 @@ impl ModelRunner<CudaBackend> {
         let enqueued = started.elapsed();
         let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
         let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
-        output.sampled = sampled_tokens(&sampled_req_ids, sampled);
-        // Kept unconfirmed: with async scheduling the next step computes them before the
-        // engine-core has seen them.
-        self.batch.record_sampled(&output.sampled);
+        output.sampled = self.record_sampled(&sampled_req_ids, sampled);
         tracing::debug!(
             target: "vllm_worker::step",
             step = so.step_id,

@@ -289,11 +289,6 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rms_norm_per_head(&self, x: &mut CpuTensor, weight: &CpuTensor, eps: f32) -> Result<()> {
-        k::rms_norm_per_head(&mut x.data, &weight.data, eps);
-        Ok(())
-    }
-
     fn split_cols(&self, x: &CpuTensor, widths: &[usize]) -> Result<Vec<CpuTensor>> {
         let (rows, cols) = (x.rows(), x.cols());
         ensure!(
@@ -314,45 +309,50 @@ impl Backend for CpuBackend {
         Ok(parts)
     }
 
-    fn rotary_embedding(
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_qkv(
         &self,
+        qkv: &CpuTensor,
+        heads: &PagedAttentionShape,
+        qk_norm: Option<(&CpuTensor, &CpuTensor, f32)>,
         positions: &Vec<i32>,
-        q: &mut CpuTensor,
-        kt: &mut CpuTensor,
-        head_dim: usize,
         cos_sin_cache: &CpuTensor,
-    ) -> Result<()> {
-        let rotary_dim = cos_sin_cache.cols();
+        key_cache: &mut CpuTensor,
+        value_cache: &mut CpuTensor,
+        slot_mapping: &Vec<i32>,
+    ) -> Result<CpuTensor> {
+        let d = heads.head_dim;
+        let (q_cols, kv_cols) = (heads.num_q_heads * d, heads.num_kv_heads * d);
+        let mut parts = self
+            .split_cols(qkv, &[q_cols, kv_cols, kv_cols])?
+            .into_iter();
+        let (Some(mut q), Some(mut kt), Some(v)) = (parts.next(), parts.next(), parts.next())
+        else {
+            anyhow::bail!("split_cols returned fewer than 3 parts");
+        };
+        if let Some((q_weight, k_weight, eps)) = qk_norm {
+            k::rms_norm_per_head(&mut q.data, &q_weight.data, eps);
+            k::rms_norm_per_head(&mut kt.data, &k_weight.data, eps);
+        }
         super::check_rotary_positions(positions, cos_sin_cache.rows())?;
         k::rotary_embedding_neox(
             positions,
             &mut q.data,
             &mut kt.data,
-            head_dim,
+            d,
             &cos_sin_cache.data,
-            rotary_dim,
+            cos_sin_cache.cols(),
         );
-        Ok(())
-    }
-
-    fn reshape_and_cache(
-        &self,
-        key: &CpuTensor,
-        value: &CpuTensor,
-        key_cache: &mut CpuTensor,
-        value_cache: &mut CpuTensor,
-        slot_mapping: &Vec<i32>,
-    ) -> Result<()> {
         let kv_row = key_cache.shape[2..].iter().product();
         k::reshape_and_cache(
-            &key.data,
-            &value.data,
+            &kt.data,
+            &v.data,
             &mut key_cache.data,
             &mut value_cache.data,
             slot_mapping,
             kv_row,
         );
-        Ok(())
+        Ok(q)
     }
 
     fn paged_attention(

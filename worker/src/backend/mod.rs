@@ -169,38 +169,13 @@ pub trait Backend {
         weight: &Self::Tensor,
         eps: f32,
     ) -> Result<()>;
-    /// RMSNorm of each `weight.len()`-wide head of `x`, in place.
-    fn rms_norm_per_head(
-        &self,
-        x: &mut Self::Tensor,
-        weight: &Self::Tensor,
-        eps: f32,
-    ) -> Result<()>;
     /// Splits the columns of `x` into consecutive parts of the given widths (q, k, v).
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
-    /// Neox rotary embedding of `q` and `k` in place; `cos_sin_cache` [max_pos, rotary_dim].
-    fn rotary_embedding(
-        &self,
-        positions: &Self::Ints,
-        q: &mut Self::Tensor,
-        k: &mut Self::Tensor,
-        head_dim: usize,
-        cos_sin_cache: &Self::Tensor,
-    ) -> Result<()>;
-    fn reshape_and_cache(
-        &self,
-        key: &Self::Tensor,
-        value: &Self::Tensor,
-        key_cache: &mut Self::Tensor,
-        value_cache: &mut Self::Tensor,
-        slot_mapping: &Self::Ints,
-    ) -> Result<()>;
     /// Everything between the fused qkv projection and attention: splits `qkv`
     /// [T, (hq + 2·hkv)·d] into q, k and v heads, RMSNorms q and k per head when
     /// `qk_norm` (q weight, k weight, eps) is given, applies neox rotary to both at
     /// `positions`, writes k and v to the cache at `slot_mapping`, and returns q
-    /// [T, hq·d]. The default runs the single ops; a backend may fuse them (CUDA does:
-    /// one launch instead of seven).
+    /// [T, hq·d]. The CPU runs the single ops; CUDA fuses them into one launch.
     #[allow(clippy::too_many_arguments)]
     fn prepare_qkv(
         &self,
@@ -212,23 +187,7 @@ pub trait Backend {
         key_cache: &mut Self::Tensor,
         value_cache: &mut Self::Tensor,
         slot_mapping: &Self::Ints,
-    ) -> Result<Self::Tensor> {
-        let d = heads.head_dim;
-        let (q_cols, kv_cols) = (heads.num_q_heads * d, heads.num_kv_heads * d);
-        let mut parts = self
-            .split_cols(qkv, &[q_cols, kv_cols, kv_cols])?
-            .into_iter();
-        let (Some(mut q), Some(mut k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
-            anyhow::bail!("split_cols returned fewer than 3 parts");
-        };
-        if let Some((q_weight, k_weight, eps)) = qk_norm {
-            self.rms_norm_per_head(&mut q, q_weight, eps)?;
-            self.rms_norm_per_head(&mut k, k_weight, eps)?;
-        }
-        self.rotary_embedding(positions, &mut q, &mut k, d, cos_sin_cache)?;
-        self.reshape_and_cache(&k, &v, key_cache, value_cache, slot_mapping)?;
-        Ok(q)
-    }
+    ) -> Result<Self::Tensor>;
     fn paged_attention(
         &self,
         q: &Self::Tensor,

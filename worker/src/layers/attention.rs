@@ -40,15 +40,15 @@ impl Attention {
         }
     }
 
+    /// Attention of q over the cache, in this step's `shape` (from `Attention::shape`).
     pub fn forward<B: Backend>(
         &self,
         b: &B,
         q: &B::Tensor,
         cache: &KvCacheLayer<B>,
-        block_size: usize,
+        shape: &PagedAttentionShape,
         meta: &StepMetadata<B>,
     ) -> Result<B::Tensor> {
-        let shape = self.shape(block_size, meta);
-        b.paged_attention(q, &cache.key, &cache.value, meta, &shape, self.scale)
+        b.paged_attention(q, &cache.key, &cache.value, meta, shape, self.scale)
     }
 }

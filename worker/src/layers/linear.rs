@@ -12,13 +12,13 @@ use crate::backend::Backend;
 use crate::weights::WeightTensor;
 
 /// Fused q, k, v projection. Loads `{q,k,v}_proj.{weight,bias}` of the attention module
-/// and keeps this rank's heads; when tp size exceeds the kv heads, each rank keeps one replicated kv head.
+/// and keeps this rank's heads; when tp size exceeds the kv heads, each rank keeps one
+/// replicated kv head.
 pub struct QKVParallelLinear<B: Backend> {
     weight: B::Tensor,
     bias: Option<B::Tensor>,
     pub num_heads: usize,
     pub num_kv_heads: usize,
-    pub head_dim: usize,
 }
 
 impl<B: Backend> QKVParallelLinear<B> {
@@ -69,11 +69,9 @@ impl<B: Backend> QKVParallelLinear<B> {
             bias,
             num_heads,
             num_kv_heads,
-            head_dim,
         })
     }
 
-    /// `(q, k, v)`: [T, heads·head_dim], [T, kv_heads·head_dim] twice.
     /// [T, (heads + 2·kv_heads)·head_dim]: this rank's q, k and v heads side by side
     /// (`Backend::prepare_qkv` takes them apart).
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {

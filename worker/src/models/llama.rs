@@ -82,11 +82,11 @@ impl<B: Backend> LlamaAttention<B> {
             let ((qw, eps), (kw, _)) = (q_norm.weight_and_eps(), k_norm.weight_and_eps());
             (qw, kw, eps)
         });
-        let block_size = cache.block_size;
+        let shape = self.attn.shape(cache.block_size, meta);
         let layer_cache = &mut cache.layers[layer];
         let q = b.prepare_qkv(
             &qkv,
-            &self.attn.shape(block_size, meta),
+            &shape,
             qk_norm,
             &meta.positions,
             rotary.cos_sin_cache(),
@@ -94,7 +94,7 @@ impl<B: Backend> LlamaAttention<B> {
             &mut layer_cache.value,
             &meta.slot_mapping,
         )?;
-        let out = self.attn.forward(b, &q, layer_cache, block_size, meta)?;
+        let out = self.attn.forward(b, &q, layer_cache, &shape, meta)?;
         self.o_proj.forward(b, &out)
     }
 }

@@ -406,18 +406,6 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn rms_norm_per_head(&self, x: &mut CudaTensor, weight: &CudaTensor, eps: f32) -> Result<()> {
-        let head_dim = weight.numel();
-        ensure!(
-            x.numel().is_multiple_of(head_dim),
-            "rms_norm_per_head: x {:?} vs head_dim {head_dim}",
-            x.shape
-        );
-        let heads = x.numel() / head_dim;
-        self.ops
-            .rms_norm_per_head(&mut x.buf, &weight.buf, heads, head_dim, eps)
-    }
-
     fn split_cols(&self, x: &CudaTensor, widths: &[usize]) -> Result<Vec<CudaTensor>> {
         let (rows, cols) = (x.rows(), x.cols());
         ensure!(
@@ -436,75 +424,6 @@ impl Backend for CudaBackend {
         Ok(parts)
     }
 
-    fn rotary_embedding(
-        &self,
-        positions: &CudaInts,
-        q: &mut CudaTensor,
-        k: &mut CudaTensor,
-        head_dim: usize,
-        cos_sin_cache: &CudaTensor,
-    ) -> Result<()> {
-        let rotary_dim = cos_sin_cache.cols();
-        crate::backend::check_rotary_positions(&positions.host, cos_sin_cache.rows())?;
-        let t = positions.host.len();
-        ensure!(
-            t > 0 || q.numel() == 0,
-            "rotary: no positions for q {:?}",
-            q.shape
-        );
-        if t == 0 {
-            return Ok(());
-        }
-        let (qh, kh) = (q.numel() / (t * head_dim), k.numel() / (t * head_dim));
-        self.ops.rotary_embedding_neox(
-            &positions.dev,
-            &mut q.buf,
-            &mut k.buf,
-            &cos_sin_cache.buf,
-            t,
-            qh,
-            kh,
-            head_dim,
-            rotary_dim,
-        )
-    }
-
-    fn reshape_and_cache(
-        &self,
-        key: &CudaTensor,
-        value: &CudaTensor,
-        key_cache: &mut CudaTensor,
-        value_cache: &mut CudaTensor,
-        slot_mapping: &CudaInts,
-    ) -> Result<()> {
-        let kv_row: usize = key_cache.shape[2..].iter().product();
-        let num_slots = key_cache.shape[0] * key_cache.shape[1];
-        if let Some(&s) = slot_mapping
-            .host
-            .iter()
-            .find(|&&s| s >= 0 && s as usize >= num_slots)
-        {
-            bail!("reshape_and_cache: slot {s} outside the cache of {num_slots} slots");
-        }
-        let t = slot_mapping.host.len();
-        ensure!(
-            key.numel() == t * kv_row && value.numel() == t * kv_row,
-            "reshape_and_cache: key {:?}, value {:?} for {t} tokens of {kv_row}",
-            key.shape,
-            value.shape
-        );
-        self.ops.reshape_and_cache(
-            &key.buf,
-            &value.buf,
-            &mut key_cache.buf,
-            &mut value_cache.buf,
-            &slot_mapping.dev,
-            t,
-            kv_row,
-        )
-    }
-
-    /// One launch of `qkv_prepare` (the same arithmetic as the default's seven).
     #[allow(clippy::too_many_arguments)]
     fn prepare_qkv(
         &self,

@@ -5,6 +5,9 @@
 #                                     parity32 bench offline-bench profile latency-8b
 #                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
+#                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
+#                                     llama-8b (the Llama-3.1-8B shape at saturation)
+#                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
@@ -174,7 +177,7 @@ bench_stage() {
     echo "BENCH serve→/health 200, warm kernel cache: $(time_to_health "$m" 8102)s"
     offline_bench "$m"
     # The same workload over HTTP (serve + 256 concurrent clients), when asked.
-    [ "${BENCH_HTTP:-0}" = 1 ] && throughput "$m" 8103
+    if [ "${BENCH_HTTP:-0}" = 1 ]; then throughput "$m" 8103; fi
 }
 
 # vllm-rs bench latency and bench throughput (in-process, no HTTP).
@@ -183,12 +186,12 @@ offline_bench() {
     make_model qwen3-0.6b "$m"
     for att in ${ATTENTION_BACKENDS:-flash cuda-core}; do
         echo "BENCH latency qwen3-0.6b --attention-backend $att (128 prompt, 256 output, batch 1):"
-        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench latency --model "$m" --device cuda --attention-backend "$att" --input-len 128 \
+        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench latency --model "$m" --device cuda --attention-backend "$att" $ENGINE_ARGS --input-len 128 \
             --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
             2>"$LOG/bench-latency-$att.err" | sed 's/^/BENCH   /'
         echo "BENCH   (rc=${PIPESTATUS[0]})"
         echo "BENCH throughput nanovllm-256 --attention-backend $att (bench throughput, in-process):"
-        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench throughput --model "$m" --device cuda --attention-backend "$att" \
+        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench throughput --model "$m" --device cuda --attention-backend "$att" $ENGINE_ARGS \
             --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
             2>"$LOG/bench-throughput-$att.err" | sed 's/^/BENCH   /'
         echo "BENCH   (rc=${PIPESTATUS[0]})"
@@ -216,13 +219,47 @@ latency_8b() {
     for att in ${ATTENTION_BACKENDS:-flash}; do
         echo "BENCH latency qwen3-8b --attention-backend $att (128 prompt, 256 output, batch 1):"
         timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench latency --model "$G/models/Qwen3-8B" \
-            --load-format dummy --device cuda --attention-backend "$att" --input-len 128 \
+            --load-format dummy --device cuda --attention-backend "$att" $ENGINE_ARGS --input-len 128 \
             --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
             2>"$LOG/latency-8b-$att.err" | sed 's/^/BENCH   /'
         echo "BENCH   (rc=${PIPESTATUS[0]})"
     done
 }
 
+# Issue 11's serving workload: `vllm-rs bench serve`, 1000 random prompts of 512 tokens
+# with 128 out, every request at once and then at 16 req/s, against `serve` on the
+# Qwen3-0.6B shape.
+serve_bench() {
+    local m=$MODELS/qwen3-0.6b port=8140 pid rate
+    make_model qwen3-0.6b "$m"
+    "$BIN" serve --model "$m" --device cuda --port $port $ENGINE_ARGS >"$LOG/serve-bench-serve.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 1200); do
+        curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    for rate in inf 16; do
+        echo "BENCH serve 1000 x 512/128 --request-rate $rate $ENGINE_ARGS:"
+        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench serve --port $port --model "$m" \
+            --dataset-name random --random-input-len 512 --random-output-len 128 \
+            --num-prompts 1000 --request-rate $rate --ignore-eos --seed 0 --disable-tqdm \
+            2>"$LOG/serve-bench-$rate.err" | sed 's/^/BENCH   /'
+        echo "BENCH   (rc=${PIPESTATUS[0]})"
+    done
+    kill $pid 2>/dev/null
+    wait $pid 2>/dev/null
+}
+
+# The Llama-3.1-8B shape at saturation: nanovllm-256 through bench throughput, dummy
+# weights drawn on the GPU, Llama 3's tokenizer from the 70B folder.
+llama_8b() {
+    echo "BENCH throughput nanovllm-256 llama-3.1-8b $ENGINE_ARGS:"
+    timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench throughput --model "$G/models/Llama-3.1-8B" \
+        --tokenizer "$G/models/Llama-3.1-70B" --load-format dummy --device cuda $ENGINE_ARGS \
+        --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
+        2>"$LOG/llama-8b.err" | sed 's/^/BENCH   /'
+    echo "BENCH   (rc=${PIPESTATUS[0]})"
+}
 
 # Tensor parallelism: greedy text at TP=2 equals TP=1 (random Qwen3 models, real processes).
 tp_serve() {
@@ -307,8 +344,9 @@ tp_70b() {
     echo "BENCH   (rc=${PIPESTATUS[0]})"
 }
 
-export G LOG BIN MODELS
-export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench profile_stage latency_8b \
+ENGINE_ARGS=${ENGINE_ARGS:-}
+export G LOG BIN MODELS ENGINE_ARGS
+export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench profile_stage latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b
 
 for s in $STAGES; do
@@ -327,6 +365,8 @@ for s in $STAGES; do
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;
     latency-8b) stage latency-8b latency_8b ;;
+    serve-bench) stage serve-bench serve_bench ;;
+    llama-8b) stage llama-8b llama_8b ;;
     tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;
     tp-serve) stage tp-serve tp_serve ;;
     tp-latency) stage tp-latency tp_latency ;;

@@ -9,6 +9,10 @@ use super::ops::{i32_of, launch, rows_cfg, CudaOps};
 
 /// The most rows of x the kernel takes; above it, the GEMM has reuse for tensor cores.
 pub const GEMV_MAX_M: usize = 8;
+/// The most rows of x for which `gemv` beats cuBLAS on an H100 (`thin_gemms`,
+/// docs/BENCHMARKS.md "Thin GEMMs"): at one row it is 7–45% faster on every decode
+/// shape; at 2 and 4 rows the two tie, and at 8 cuBLAS wins by up to 50%.
+pub const GEMV_PAYS_MAX_M: usize = 1;
 /// Warps per block (`GEMV_WARPS` of gemv.cu).
 const GEMV_WARPS: usize = 8;
 

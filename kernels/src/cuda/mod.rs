@@ -23,7 +23,7 @@ pub use attention_plan::{AttentionKernels, AttentionPlan};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;
-pub use gemv::GEMV_MAX_M;
+pub use gemv::{GEMV_MAX_M, GEMV_PAYS_MAX_M};
 pub use ops::{AttentionDims, AttentionMeta, CudaOps, QkvPrepare};
 pub use sampling_ops::{
     LogitEntry, SampleRow, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,

@@ -20,7 +20,8 @@ use std::cell::{Cell, RefCell};
 use anyhow::{bail, ensure, Context, Result};
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
-    AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType, Gemm,
+    AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
+    Gemm, GEMV_PAYS_MAX_M,
 };
 
 use step_buffers::StepBuffers;
@@ -360,7 +361,13 @@ impl Backend for CudaBackend {
             w.shape
         );
         let mut out = self.tensor(vec![m, n])?;
-        self.gemm.linear(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
+        // Single-row products stream the weights through our thin-GEMM kernel; cuBLAS
+        // takes the rest (docs/BENCHMARKS.md, "Thin GEMMs").
+        if m <= GEMV_PAYS_MAX_M && self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
+            self.ops.gemv(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
+        } else {
+            self.gemm.linear(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
+        }
         if let Some(b) = bias {
             ensure!(b.numel() == n, "linear: bias {:?} for {n} outputs", b.shape);
             self.ops.add_bias(&mut out.buf, &b.buf, m, n)?;

@@ -303,6 +303,20 @@ fn thin_gemms() {
                 report(&format!("{what} gemv r1"), rows[0], bytes);
                 report(&format!("{what} gemv r2"), rows[1], bytes);
                 report(&format!("{what} gemv picked"), picked, bytes);
+                if name == "gate_up_proj" && m == 1 {
+                    // The activation in the GEMM's epilogue against its own launch.
+                    let mut act = ops.alloc(n / 2).unwrap();
+                    let unfused = time_graph(&dev, 40, || {
+                        let w = next();
+                        ops.gemv(&x, w, &mut out, m, k, n).unwrap();
+                        ops.silu_and_mul(&out, &mut act, 1, n / 2).unwrap()
+                    });
+                    let fused = time_graph(&dev, 40, || {
+                        ops.gemv_silu_mul(&x, next(), &mut act, k, n / 2).unwrap()
+                    });
+                    report(&format!("{what} gemv + silu_and_mul"), unfused, bytes);
+                    report(&format!("{what} gemv_silu_mul"), fused, bytes);
+                }
                 if name != "lm_head" {
                     layer_blas += blas;
                     layer_gemv += picked;

@@ -475,6 +475,44 @@ fn gemv_matches_cpu() {
     }
 }
 
+/// The fused gate/up product with SiLU-and-mul is bit for bit the thin GEMM followed by
+/// `silu_and_mul` (each checked against the CPU on its own), and writes nothing past its
+/// output.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn gemv_silu_mul_is_gemv_then_silu_and_mul() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let vec = 16 / dtype.size();
+        let mut r = Lcg(13);
+        for (k, d) in [(1024, 3072), (vec, 1), (3 * vec, 33), (4096 + 5 * vec, 17)] {
+            let x = c.round(&r.vec(k, 1.0));
+            // Gate/up outputs of a few units, so silu's both sides are exercised.
+            let w = c.round(&r.vec(2 * d * k, 4.0 / (k as f32).sqrt()));
+            let (xd, wd) = (c.upload(&x), c.upload(&w));
+            let mut gate_up = c.poisoned(2 * d);
+            c.ops
+                .gemv_with_rows(&xd, &wd, &mut gate_up, (1, k, 2 * d), 1)
+                .unwrap();
+            let mut unfused = c.poisoned(d);
+            c.ops.silu_and_mul(&gate_up, &mut unfused, 1, d).unwrap();
+            let mut fused = c.poisoned(d + 1);
+            c.ops.gemv_silu_mul(&xd, &wd, &mut fused, k, d).unwrap();
+            let (want, got) = (c.download(&unfused, d), c.download(&fused, d + 1));
+            let what = format!("gemv_silu_mul {dtype:?} k={k} d={d}");
+            assert!(
+                want.iter().all(|v| v.is_finite()),
+                "{what}: unfused path not finite"
+            );
+            for (j, (a, b)) in got[..d].iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what}: output {j}: {a} vs {b}");
+            }
+            assert!(got[d].is_nan(), "{what}: wrote past its output");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn linear_matches_cpu() {

@@ -53,6 +53,35 @@ impl CudaOps {
         }
     }
 
+    /// `out [1, d] = silu(x · w[..d]ᵀ) * (x · w[d..]ᵀ)` for one row of x and the fused
+    /// gate/up weight `w [2d, k]`: bit for bit `gemv` then `silu_and_mul`, in one launch.
+    pub fn gemv_silu_mul(
+        &self,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        k: usize,
+        d: usize,
+    ) -> Result<()> {
+        if d == 0 {
+            return Ok(());
+        }
+        ensure!(
+            self.gemv_fits([x, w, out], 1, k),
+            "gemv_silu_mul: [1x{k}]·[{}x{k}]ᵀ is not a thin aligned product",
+            2 * d
+        );
+        self.check(x, k, "gemv_silu_mul x")?;
+        self.check(w, 2 * d * k, "gemv_silu_mul w")?;
+        self.check(out, d, "gemv_silu_mul out")?;
+        let (ki, di) = (i32_of(k, "k")?, i32_of(d, "d")?);
+        let cfg = rows_cfg(d.div_ceil(GEMV_WARPS), (GEMV_WARPS * 32) as u32);
+        // SAFETY: sizes and alignment checked above; the kernel reads x [1, k] and
+        // w [2d, k] and writes out [1, d].
+        launch!(unsafe self, gemv_silu_mul_m1, cfg;
+            x, w, out, &ki, &di)
+    }
+
     /// `gemv` with the rows of w per warp chosen by the caller (1 or 2; the benchmark).
     pub fn gemv_with_rows(
         &self,

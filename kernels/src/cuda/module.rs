@@ -32,6 +32,8 @@ pub struct Functions<F = CudaFunction> {
     /// `gemv_m{M}_r{R}`, indexed by M - 1 (1..=8 rows of x), then R - 1 (1 or 2 rows of
     /// w per warp).
     pub gemv: [[F; 2]; 8],
+    /// The gate/up product fused with SiLU-and-mul, one row of x.
+    pub gemv_silu_mul_m1: F,
     /// Indexed by head size (`HEAD_DIMS`).
     pub paged_attention: [F; 4],
     pub paged_attention_combine: F,
@@ -75,6 +77,7 @@ impl<F> Functions<F> {
             gemv: family([1, 2, 3, 4, 5, 6, 7, 8], |m| {
                 family([1, 2], |r| f(&format!("gemv_m{m}_r{r}")))
             })?,
+            gemv_silu_mul_m1: f("gemv_silu_mul_m1")?,
             paged_attention: family(HEAD_DIMS, |d| f(&format!("paged_attention_d{d}")))?,
             paged_attention_combine: f("paged_attention_combine")?,
             // By head size, then padded GQA group.

@@ -40,23 +40,13 @@ __device__ __forceinline__ void gemv_chunk(const uint4 (&wv)[R], const uint4* __
     }
 }
 
+// acc[m][r] = x[m, :] . w_rows[r][:], reduced across the warp (every lane holds the sums).
 template <int M, int R>
-__device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
-                                     const scalar_t* __restrict__ w,
-                                     scalar_t* __restrict__ out, int k, int n) {
+__device__ __forceinline__ void gemv_dots(const scalar_t* __restrict__ x,
+                                          const uint4* (&wr)[R], int k, float (&acc)[M][R]) {
     const int lane = threadIdx.x & 31;
-    const long long row0 = ((long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
-    if (row0 >= n) return;
     const int chunks = k / VEC16;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
-    // Rows past n (the last warp of an odd n) re-read the last row and are not written.
-    const uint4* wr[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        const long long row = row0 + r < n ? row0 + r : n - 1;
-        wr[r] = reinterpret_cast<const uint4*>(w + row * k);
-    }
-    float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; m++) {
 #pragma unroll
@@ -83,9 +73,31 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
 #pragma unroll
     for (int m = 0; m < M; m++) {
 #pragma unroll
+        for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
+    }
+}
+
+template <int M, int R>
+__device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
+                                     const scalar_t* __restrict__ w,
+                                     scalar_t* __restrict__ out, int k, int n) {
+    const long long row0 = ((long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
+    if (row0 >= n) return;
+    // Rows past n (the last warp of an odd n) re-read the last row and are not written.
+    const uint4* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const long long row = row0 + r < n ? row0 + r : n - 1;
+        wr[r] = reinterpret_cast<const uint4*>(w + row * k);
+    }
+    float acc[M][R];
+    gemv_dots<M, R>(x, wr, k, acc);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+#pragma unroll
         for (int r = 0; r < R; r++) {
-            const float s = warp_sum(acc[m][r]);
-            if (lane == 0 && row0 + r < n) out[(long long)m * n + row0 + r] = from_f32(s);
+            if (row0 + r < n) out[(long long)m * n + row0 + r] = from_f32(acc[m][r]);
         }
     }
 }
@@ -106,3 +118,23 @@ GEMV_KERNELS(5)
 GEMV_KERNELS(6)
 GEMV_KERNELS(7)
 GEMV_KERNELS(8)
+
+// The MLP's gate/up product fused with SiLU-and-mul for one row of x:
+// out[j] = silu(x . w[j]) * (x . w[d + j]) for the fused weight w [2d, k]. One warp per
+// output reads its gate and up rows together. Both products are rounded to the dtype
+// before silu_and_mul's arithmetic (activation.cu), so the result is bit for bit that of
+// gemv_m1 followed by silu_and_mul, one launch and one round trip of [1, 2d] fewer.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_silu_mul_m1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
+                     scalar_t* __restrict__ out, int k, int d) {
+    const long long j = (long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (j >= d) return;
+    const uint4* wr[2] = {reinterpret_cast<const uint4*>(w + j * k),
+                          reinterpret_cast<const uint4*>(w + (d + j) * k)};
+    float acc[1][2];
+    gemv_dots<1, 2>(x, wr, k, acc);
+    if ((threadIdx.x & 31) != 0) return;
+    const float g = round_t(acc[0][0]);
+    const float u = round_t(acc[0][1]);
+    out[j] = from_f32(round_t(g / (1.f + expf(-g))) * u);
+}

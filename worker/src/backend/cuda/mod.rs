@@ -543,6 +543,22 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn linear_silu_and_mul(&self, x: &CudaTensor, w: &CudaTensor) -> Result<CudaTensor> {
+        let (m, k, d) = (x.rows(), x.cols(), w.rows() / 2);
+        ensure!(
+            w.cols() == k && w.rows().is_multiple_of(2),
+            "linear_silu_and_mul: x has {k} columns, gate/up weight {:?}",
+            w.shape
+        );
+        let mut out = self.tensor(vec![m, d])?;
+        // A single row fuses the activation into the thin GEMM's epilogue.
+        if m <= GEMV_PAYS_MAX_M && self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
+            self.ops.gemv_silu_mul(&x.buf, &w.buf, &mut out.buf, k, d)?;
+            return Ok(out);
+        }
+        self.silu_and_mul(&self.linear(x, w, None)?)
+    }
+
     fn gather_rows(&self, x: &CudaTensor, indices: &CudaInts) -> Result<CudaTensor> {
         if let Some(&i) = indices
             .host

@@ -7,6 +7,7 @@
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
+#                                     async-check (--async-scheduling vs serial through serve)
 #                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
@@ -367,6 +368,9 @@ for s in $STAGES; do
     latency-8b) stage latency-8b latency_8b ;;
     serve-bench) stage serve-bench serve_bench ;;
     llama-8b) stage llama-8b llama_8b ;;
+    async-check)
+        make_model qwen3-0.6b "$MODELS/qwen3-0.6b"
+        stage async-check python3 scripts/async_check.py --bin "$BIN" --model "$MODELS/qwen3-0.6b" ;;
     tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;
     tp-serve) stage tp-serve tp_serve ;;
     tp-latency) stage tp-latency tp_latency ;;

@@ -314,7 +314,7 @@ fn decode_attention() {
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
         for (seqs, keys, partitions) in [
-            (256, 601, &[None, Some(320), Some(160)][..]),
+            (256, 601, &[None, Some(512), Some(320), Some(160)][..]),
             (1, 384, &[None, Some(32), Some(64), Some(256)][..]),
         ] {
             let shape = DecodeShape::new(&dev, seqs, keys, hq);

@@ -308,19 +308,53 @@ __device__ __forceinline__ float dec_rescale(float m, float ref) {
     return m == NEG_INF ? 0.f : __expf(m - ref);
 }
 
-// Keys per lane in flight: fewer for the widest group, whose q and output rows already
-// take 128 registers.
-__host__ __device__ constexpr int dec1_unroll(int gp) { return gp <= 4 ? 4 : 2; }
+// Keys per lane in flight: 64 bytes of K and 64 of V (f32 rows are twice as wide).
+__host__ __device__ constexpr int dec1_unroll(int gp) { return VEC16 == 8 ? 4 : 2; }
+// Blocks an SM must hold (ptxas keeps the registers within), for the 128-thread 16-bit
+// kernels at 4 keys per lane: 16 KB in flight each. The widest group's output rows alone
+// take 64 registers; left alone ptxas gives it 209, two blocks an SM, while three fit
+// without spills from head size 32 up. The variants and f32 take what ptxas gives them.
+__host__ __device__ constexpr int dec1_min_blocks(int d, int gp, int threads, int u) {
+    return VEC16 != 8 || threads != 128 || u > 4 ? 1
+           : gp == 1              ? 5
+           : gp == 2              ? 4
+           : gp == 4 || d >= 32   ? 3
+                                  : 1;
+}
 
-template <int D, int GP, int THREADS, int U>
-__device__ void paged_attention_decode1_impl(const DecodeArgs& a) {
+// The cache block of a key and its position there: shifts for a power-of-two block size
+// (the usual 16), which spare every lane two integer divisions per key.
+template <bool POW2>
+struct BlockDiv {
+    int size, shift;
+    __device__ explicit BlockDiv(int bs) : size(bs), shift(__ffs(bs) - 1) {}
+    __device__ int block(int k) const { return POW2 ? k >> shift : k / size; }
+    __device__ int offset(int k) const { return POW2 ? k & (size - 1) : k % size; }
+};
+
+// Shared memory of a one-pass block: the warps' states for the merge, and q for the widest
+// group. Declared once in the entry point, which instantiates the kernel twice (POW2).
+template <int D, int GP, int THREADS>
+struct Decode1Smem {
+    static constexpr bool Q_SHARED = GP >= 8;
+    float red[THREADS / 32][GP][D];
+    float m[THREADS / 32][GP];
+    float l[THREADS / 32][GP];
+    float4 q[Q_SHARED ? GP : 1][D / 4];
+};
+
+template <int D, int GP, int THREADS, int U, bool POW2>
+__device__ void paged_attention_decode1_impl(const DecodeArgs& a,
+                                             Decode1Smem<D, GP, THREADS>& sm) {
     constexpr int TG = D / 8;            // lanes per key
     constexpr int NG = THREADS / TG;     // key groups per block
     constexpr int WARPS = THREADS / 32;
     constexpr int STEP = NG * U;         // keys per block per step
-    __shared__ float red[WARPS][GP][D];
-    __shared__ float s_m[WARPS][GP];
-    __shared__ float s_l[WARPS][GP];
+    constexpr bool Q_SHARED = Decode1Smem<D, GP, THREADS>::Q_SHARED;
+    auto& red = sm.red;
+    auto& s_m = sm.m;
+    auto& s_l = sm.l;
+    auto& q_s = sm.q;
 
     const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -344,25 +378,37 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a) {
     }
 
     const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
-    const int bs = a.block_size;
+    const BlockDiv<POW2> bd(a.block_size);
     // The cache block of each of this lane's keys in a step (key base + u·NG + grp: the
     // groups of a step read consecutive keys), read one step ahead.
     int blk[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int k = k_begin + u * NG + grp;
-        blk[u] = k < k_end ? table[k / bs] : 0;
+        blk[u] = k < k_end ? table[bd.block(k)] : 0;
     }
-    float q[GP][8];
+    // This lane's 8 columns of each q row, scaled: in registers, or for the widest group
+    // in shared memory, where its 64 floats a lane do not take the registers that keep
+    // loads in flight.
+    float q[Q_SHARED ? 1 : GP][8];
+    if constexpr (Q_SHARED) {
+        float* qs = &q_s[0][0].x;
+        for (int idx = tid; idx < GP * D; idx += THREADS) {
+            const int h = idx / D;
+            qs[idx] = h < g ? to_f32(a.q[q_row0 * D + idx]) * a.scale : 0.f;
+        }
+        __syncthreads();
+    } else {
 #pragma unroll
-    for (int h = 0; h < GP; ++h) {
-        if (h < g) {
-            load8(a.q + (q_row0 + h) * D + sub * 8, q[h]);
+        for (int h = 0; h < GP; ++h) {
+            if (h < g) {
+                load8(a.q + (q_row0 + h) * D + sub * 8, q[h]);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) q[h][e] *= a.scale;
-        } else {
+                for (int e = 0; e < 8; ++e) q[h][e] *= a.scale;
+            } else {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) q[h][e] = 0.f;
+                for (int e = 0; e < 8; ++e) q[h][e] = 0.f;
+            }
         }
     }
     const long long kv_row = (long long)a.num_kv_heads * D;
@@ -386,7 +432,7 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a) {
         for (int u = 0; u < U; ++u) {
             const int k = base + u * NG + grp;
             if (k < k_end) {
-                const long long off = ((long long)blk[u] * bs + k % bs) * kv_row;
+                const long long off = ((long long)blk[u] * bd.size + bd.offset(k)) * kv_row;
                 kr[u] = load_row8(k_lane + off);
                 vr[u] = load_row8(v_lane + off);
             } else {
@@ -397,7 +443,7 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int k = base + STEP + u * NG + grp;
-            blk[u] = k < k_end ? table[k / bs] : 0;
+            blk[u] = k < k_end ? table[bd.block(k)] : 0;
         }
         float s[GP][U];
 #pragma unroll
@@ -409,8 +455,14 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a) {
             for (int h = 0; h < GP; ++h) {
                 if (h >= g) break;
                 float dot = 0.f;
+                if constexpr (Q_SHARED) {
+                    const float4 x = q_s[h][2 * sub], y = q_s[h][2 * sub + 1];
+                    dot = x.x * kf[0] + x.y * kf[1] + x.z * kf[2] + x.w * kf[3] +
+                          y.x * kf[4] + y.y * kf[5] + y.z * kf[6] + y.w * kf[7];
+                } else {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) dot += q[h][e] * kf[e];
+                    for (int e = 0; e < 8; ++e) dot += q[h][e] * kf[e];
+                }
 #pragma unroll
                 for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
                 s[h][u] = live ? dot : NEG_INF;
@@ -501,15 +553,21 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a) {
 // paged_attention_decode1_d{D}_g{GP}: 128 threads, dec1_unroll(GP) keys per lane. The
 // variants the bench weighs against it exist for D = 128 only: _t256 (256 threads) and
 // _u2x (twice the keys per lane in flight).
-#define DECODE1_KERNEL(NAME, D, GP, THREADS, U)                                           \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(DecodeArgs a) {          \
-        paged_attention_decode1_impl<D, GP, THREADS, U>(a);                               \
+#define DECODE1_KERNEL(NAME, D, GP, THREADS, U)                                    \
+    extern "C" __global__ void                                                     \
+    __launch_bounds__(THREADS, dec1_min_blocks(D, GP, THREADS, U)) NAME(DecodeArgs a) { \
+        __shared__ Decode1Smem<D, GP, THREADS> sm;                                 \
+        if (a.block_size & (a.block_size - 1))                                     \
+            paged_attention_decode1_impl<D, GP, THREADS, U, false>(a, sm);         \
+        else                                                                       \
+            paged_attention_decode1_impl<D, GP, THREADS, U, true>(a, sm);          \
     }
-#define DECODE1_KERNELS(D, GP)                                                            \
+#define DECODE1_KERNELS(D, GP) \
     DECODE1_KERNEL(paged_attention_decode1_d##D##_g##GP, D, GP, 128, dec1_unroll(GP))
-#define DECODE1_VARIANTS(GP)                                                              \
+#define DECODE1_VARIANTS(GP)                                                                \
     DECODE1_KERNEL(paged_attention_decode1_d128_g##GP##_t256, 128, GP, 256, dec1_unroll(GP)) \
-    DECODE1_KERNEL(paged_attention_decode1_d128_g##GP##_u2x, 128, GP, 128, 2 * dec1_unroll(GP))
+    DECODE1_KERNEL(paged_attention_decode1_d128_g##GP##_u2x, 128, GP, 128,                  \
+                   2 * dec1_unroll(GP))
 #define DECODE1_GROUPS(D) \
     DECODE1_KERNELS(D, 1) DECODE1_KERNELS(D, 2) DECODE1_KERNELS(D, 4) DECODE1_KERNELS(D, 8)
 DECODE1_GROUPS(16)

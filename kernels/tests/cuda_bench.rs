@@ -182,7 +182,7 @@ struct DecodeShape {
 }
 
 impl DecodeShape {
-    fn new(dev: &CudaDevice, seqs: usize, keys: usize, hq: usize) -> Self {
+    fn new(dev: &CudaDevice, seqs: usize, keys: usize) -> Self {
         let blocks_per_seq = keys.div_ceil(BS);
         let per_copy = seqs * blocks_per_seq;
         let bytes = per_copy * BS * HKV * D * 2 * 2;
@@ -200,15 +200,21 @@ impl DecodeShape {
         Self {
             seqs,
             keys,
-            hq,
+            hq: 0,
             blocks_per_seq,
-            q: random(dev, seqs * hq * D, 3),
+            q: random(dev, 1, 3),
             key_cache: random(dev, kv, 1),
             value_cache: random(dev, kv, 2),
             tables,
             seq_lens: vec![keys as i32; seqs],
             qsl: (0..=seqs as i32).collect(),
         }
+    }
+
+    /// The model's q heads (over the same caches: both models have 8 kv heads of 128).
+    fn set_q_heads(&mut self, dev: &CudaDevice, hq: usize) {
+        self.hq = hq;
+        self.q = random(dev, self.seqs * hq * D, 3);
     }
 
     /// K and V bytes one call reads.
@@ -312,34 +318,27 @@ impl DecodeShape {
 fn decode_attention() {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
-    for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
-        for (seqs, keys, partitions) in [
-            (256, 601, &[None, Some(512), Some(320), Some(160)][..]),
-            (1, 384, &[None, Some(32), Some(64), Some(256)][..]),
-        ] {
-            let shape = DecodeShape::new(&dev, seqs, keys, hq);
+    for (seqs, keys, partitions) in [
+        (256, 601, &[None, Some(512), Some(320), Some(160)][..]),
+        (1, 384, &[None, Some(32), Some(64), Some(256)][..]),
+    ] {
+        let mut shape = DecodeShape::new(&dev, seqs, keys);
+        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+            shape.set_q_heads(&dev, hq);
             let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
             let (_, reference) = shape.run(&dev, &ops, &reference_plan);
             for kernel in DecodeKernel::ALL {
                 for &partition in partitions {
                     let plan = shape.plan(&ops, kernel, partition);
                     let (s, out) = shape.run(&dev, &ops, &plan);
-                    let diff = out.iter().zip(&reference).map(|(a, b)| (a - b).abs()).fold(
-                        0.0f32,
-                        |m, d| {
-                            if m.is_nan() || d.is_nan() {
-                                f32::NAN
-                            } else {
-                                m.max(d)
-                            }
-                        },
-                    );
+                    let diff = max_abs_diff(&out, &reference);
                     let what = format!(
                         "decode {model} {seqs}x{keys} {kernel:?} part {}x{}",
                         plan.decode_partitions, plan.decode_partition
                     );
                     println!(
-                        "BENCH decode_attention {what:<48} {:>8.2} us {:>6.3} TB/s max|diff| {diff:.2e}",
+                        "BENCH decode_attention {what:<48} {:>8.2} us {:>6.3} TB/s \
+                         max|diff| {diff:.2e}",
                         s * 1e6,
                         shape.bytes() / s / 1e12
                     );
@@ -347,6 +346,18 @@ fn decode_attention() {
             }
         }
     }
+}
+
+/// The largest |a - b|, NaN if any element is NaN.
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
+        let d = (x - y).abs();
+        if m.is_nan() || d.is_nan() {
+            f32::NAN
+        } else {
+            m.max(d)
+        }
+    })
 }
 
 /// `sample_tokens_ex` over a decode batch of Qwen's vocabulary, the whole call (uploads,

@@ -12,6 +12,8 @@
 //! exit at once; at least [`DEC_MIN_PARTITION`] keys per partition keep a short sequence
 //! in a few partitions rather than a sliver in each.
 
+use std::sync::OnceLock;
+
 use anyhow::{ensure, Result};
 
 /// Query rows per tile of the CUDA-core kernel (`ATT_ROWS` in attention.cu).
@@ -61,6 +63,7 @@ pub enum DecodeKernel {
 }
 
 /// The decode kernel of the flash backend: the one line to flip after a GPU round.
+/// `VLLM_CUDA_DECODE_KERNEL=three-pass|one-pass` overrides it for a process.
 pub const DEFAULT_DECODE_KERNEL: DecodeKernel = DecodeKernel::ThreePass;
 
 impl DecodeKernel {
@@ -70,6 +73,27 @@ impl DecodeKernel {
         Self::OnePassT256,
         Self::OnePassU2x,
     ];
+
+    /// `DEFAULT_DECODE_KERNEL`, or the kernel `VLLM_CUDA_DECODE_KERNEL` names (the two
+    /// that exist for every head size); decided once per process.
+    pub fn for_process() -> Self {
+        static KERNEL: OnceLock<DecodeKernel> = OnceLock::new();
+        *KERNEL.get_or_init(|| match std::env::var("VLLM_CUDA_DECODE_KERNEL") {
+            Ok(v) => Self::from_name(v.trim()).unwrap_or_else(|| {
+                tracing::warn!("VLLM_CUDA_DECODE_KERNEL={v}: expected three-pass or one-pass");
+                DEFAULT_DECODE_KERNEL
+            }),
+            Err(_) => DEFAULT_DECODE_KERNEL,
+        })
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "three-pass" => Some(Self::ThreePass),
+            "one-pass" => Some(Self::OnePass),
+            _ => None,
+        }
+    }
 
     /// Threads per block.
     pub fn threads(self) -> u32 {
@@ -108,7 +132,7 @@ impl AttentionKernels {
         Self {
             decode: true,
             tensor_core_prefill: sixteen_bit,
-            decode_kernel: DEFAULT_DECODE_KERNEL,
+            decode_kernel: DecodeKernel::for_process(),
         }
     }
 
@@ -524,6 +548,11 @@ mod tests {
             );
         }
         assert_eq!(DecodeKernel::OnePassT256.threads(), 256);
+        assert_eq!(
+            DecodeKernel::from_name("one-pass"),
+            Some(DecodeKernel::OnePass)
+        );
+        assert_eq!(DecodeKernel::from_name("one-pass-t256"), None);
         assert_eq!(DecodeKernel::OnePass.threads(), DEC_THREADS);
     }
 

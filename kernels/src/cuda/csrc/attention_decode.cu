@@ -310,16 +310,19 @@ __device__ __forceinline__ float dec_rescale(float m, float ref) {
 
 // Keys per lane in flight: 64 bytes of K and 64 of V (f32 rows are twice as wide).
 __host__ __device__ constexpr int dec1_unroll(int gp) { return VEC16 == 8 ? 4 : 2; }
-// Blocks an SM must hold (ptxas keeps the registers within), for the 128-thread 16-bit
-// kernels at 4 keys per lane: 16 KB in flight each. The widest group's output rows alone
-// take 64 registers; left alone ptxas gives it 209, two blocks an SM, while three fit
-// without spills from head size 32 up. The variants and f32 take what ptxas gives them.
+// Blocks an SM must hold (ptxas keeps the registers within), for the 16-bit kernels at
+// 4 keys per lane: 16 KB in flight per 128 threads, and enough blocks resident that a
+// batch-256 grid of 2,048 blocks runs in about 4 waves. q of groups 4 and 8 lives in
+// shared memory (`Decode1Smem`), without which group 4 takes 160 registers (3 blocks) and
+// group 8 209 (2 blocks); 3 blocks of group 8 fit without spills from head size 32 up.
+// The twice-unrolled variant and f32 take what ptxas gives them.
 __host__ __device__ constexpr int dec1_min_blocks(int d, int gp, int threads, int u) {
-    return VEC16 != 8 || threads != 128 || u > 4 ? 1
-           : gp == 1              ? 5
-           : gp == 2              ? 4
-           : gp == 4 || d >= 32   ? 3
-                                  : 1;
+    return VEC16 != 8 || u > 4 ? 1
+           : threads == 256    ? (gp <= 4 ? 2 : 1)
+           : gp == 1           ? 5
+           : gp <= 4           ? 4
+           : d >= 32           ? 3
+                               : 1;
 }
 
 // The cache block of a key and its position there: shifts for a power-of-two block size
@@ -332,11 +335,11 @@ struct BlockDiv {
     __device__ int offset(int k) const { return POW2 ? k & (size - 1) : k % size; }
 };
 
-// Shared memory of a one-pass block: the warps' states for the merge, and q for the widest
-// group. Declared once in the entry point, which instantiates the kernel twice (POW2).
+// Shared memory of a one-pass block: the warps' states for the merge, and q for groups of
+// 4 and 8. Declared once in the entry point, which instantiates the kernel twice (POW2).
 template <int D, int GP, int THREADS>
 struct Decode1Smem {
-    static constexpr bool Q_SHARED = GP >= 8;
+    static constexpr bool Q_SHARED = GP >= 4;
     float red[THREADS / 32][GP][D];
     float m[THREADS / 32][GP];
     float l[THREADS / 32][GP];
@@ -387,9 +390,9 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a,
         const int k = k_begin + u * NG + grp;
         blk[u] = k < k_end ? table[bd.block(k)] : 0;
     }
-    // This lane's 8 columns of each q row, scaled: in registers, or for the widest group
-    // in shared memory, where its 64 floats a lane do not take the registers that keep
-    // loads in flight.
+    // This lane's 8 columns of each q row, scaled: in registers, or for the wider groups
+    // in shared memory, where their 32 or 64 floats a lane do not take the registers that
+    // keep loads in flight.
     float q[Q_SHARED ? 1 : GP][8];
     if constexpr (Q_SHARED) {
         float* qs = &q_s[0][0].x;

@@ -15,7 +15,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    Gemm, SampleRow, SampleRowEx, SamplingBatch,
+    DecodeKernel, Gemm, SampleRow, SampleRowEx, SamplingBatch,
 };
 
 const SEQS: usize = 256;
@@ -162,6 +162,202 @@ fn attention(dev: &CudaDevice, ops: &CudaOps) {
         report(&what, s, bytes);
         report("  x 28 layers", s * LAYERS as f64, bytes * LAYERS as f64);
     }
+}
+
+/// One decode-only attention shape for `decode_attention`: `copies` caches of `seqs`
+/// sequences of `keys` keys each (blocks spread over the cache), so that the calls of a
+/// small shape cycle through more bytes than the 50 MB L2 holds.
+struct DecodeShape {
+    seqs: usize,
+    keys: usize,
+    hq: usize,
+    blocks_per_seq: usize,
+    q: CudaSlice<u8>,
+    key_cache: CudaSlice<u8>,
+    value_cache: CudaSlice<u8>,
+    /// One block table per copy of the cache.
+    tables: Vec<CudaSlice<i32>>,
+    seq_lens: Vec<i32>,
+    qsl: Vec<i32>,
+}
+
+impl DecodeShape {
+    fn new(dev: &CudaDevice, seqs: usize, keys: usize) -> Self {
+        let blocks_per_seq = keys.div_ceil(BS);
+        let per_copy = seqs * blocks_per_seq;
+        let bytes = per_copy * BS * HKV * D * 2 * 2;
+        let copies = ((256 << 20) / bytes).clamp(1, 64);
+        let num_blocks = per_copy * copies;
+        let kv = num_blocks * BS * HKV * D;
+        let tables = (0..copies)
+            .map(|c| {
+                let t: Vec<i32> = (0..per_copy)
+                    .map(|i| (c * per_copy + (i * 7919) % per_copy) as i32)
+                    .collect();
+                dev.stream.clone_htod(&t).expect("upload")
+            })
+            .collect();
+        Self {
+            seqs,
+            keys,
+            hq: 0,
+            blocks_per_seq,
+            q: random(dev, 1, 3),
+            key_cache: random(dev, kv, 1),
+            value_cache: random(dev, kv, 2),
+            tables,
+            seq_lens: vec![keys as i32; seqs],
+            qsl: (0..=seqs as i32).collect(),
+        }
+    }
+
+    /// The model's q heads (over the same caches: both models have 8 kv heads of 128).
+    fn set_q_heads(&mut self, dev: &CudaDevice, hq: usize) {
+        self.hq = hq;
+        self.q = random(dev, self.seqs * hq * D, 3);
+    }
+
+    /// K and V bytes one call reads.
+    fn bytes(&self) -> f64 {
+        (self.seqs * self.keys * HKV * D * 2 * 2) as f64
+    }
+
+    /// The plan of `kernel`; `partition` replaces its keys per partition: at batch 1 the
+    /// fixed grid keeps its partition count (a different `DEC_MIN_PARTITION`), at larger
+    /// batches the keys are split over just enough partitions.
+    fn plan(&self, ops: &CudaOps, kernel: DecodeKernel, partition: Option<usize>) -> AttentionPlan {
+        let kernels = AttentionKernels::flash(true).with_decode_kernel(kernel);
+        let mut plan = AttentionPlan::new(
+            &self.qsl,
+            &self.seq_lens,
+            self.hq,
+            HKV,
+            ops.num_sms,
+            kernels,
+        )
+        .unwrap();
+        if let Some(p) = partition {
+            plan.decode_partition = p;
+            if self.seqs > 1 {
+                plan.decode_partitions = self.keys.div_ceil(p);
+            }
+            plan.decode_smem_partition = plan.decode_smem_partition.max(p);
+        }
+        plan
+    }
+
+    /// Mean seconds of one call with `plan` (in a CUDA graph, cycling over the copies),
+    /// and the output of the last call.
+    fn run(&self, dev: &CudaDevice, ops: &CudaOps, plan: &AttentionPlan) -> (f64, Vec<f32>) {
+        let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
+        let (sl, ql, ts, tt, ds, dp) = (
+            ints(&self.seq_lens),
+            ints(&self.qsl),
+            ints(&plan.tile_seq),
+            ints(&plan.tile_token),
+            ints(&plan.decode_seqs),
+            ints(&[plan.decode_partition as i32]),
+        );
+        let metas: Vec<AttentionMeta> = self
+            .tables
+            .iter()
+            .map(|bt| AttentionMeta {
+                block_tables: bt,
+                max_blocks_per_seq: self.blocks_per_seq,
+                seq_lens: &sl,
+                query_start_loc: &ql,
+                tile_seq: &ts,
+                tile_token: &tt,
+                decode_seqs: &ds,
+                decode_partition: &dp,
+                plan,
+            })
+            .collect();
+        let dims = AttentionDims {
+            num_tokens: self.seqs,
+            num_q_heads: self.hq,
+            num_kv_heads: HKV,
+            head_dim: D,
+            block_size: BS,
+        };
+        let mut out = ops.alloc(self.seqs * self.hq * D).unwrap();
+        let mut i = 0;
+        let iters = if self.seqs > 1 { 10 } else { 200 };
+        let s = time_graph(dev, iters, || {
+            i = (i + 1) % metas.len();
+            let (k, v) = (&self.key_cache, &self.value_cache);
+            ops.paged_attention(&self.q, k, v, &metas[i], dims, 0.088, &mut out)
+                .unwrap()
+        });
+        // The output of copy 0, comparable across kernels (each copy holds other values).
+        ops.paged_attention(
+            &self.q,
+            &self.key_cache,
+            &self.value_cache,
+            &metas[0],
+            dims,
+            0.088,
+            &mut out,
+        )
+        .unwrap();
+        let bytes = dev.stream.clone_dtoh(&out).expect("download");
+        (s, DType::BF16.decode(&bytes))
+    }
+}
+
+/// Decode attention alone, every decode kernel (`DecodeKernel`, the three-pass kernel
+/// first as the reference), at the shapes of issue 11: batch 256 × 601 keys (the
+/// nanovllm-256 step) and batch 1 × 384 keys (single-request latency, the combine
+/// included), for Qwen3-0.6B (16 q / 8 kv heads) and Qwen3-8B (32 / 8), head size 128,
+/// bf16. Each row also tries other keys per partition than the plan's (`part N`), and
+/// prints the largest difference from the three-pass kernel's output with its plan.
+///
+///   cuda_bench decode_attention --ignored --nocapture   (scripts/gpu_round.sh kernel-bench)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
+fn decode_attention() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    for (seqs, keys, partitions) in [
+        (256, 601, &[None, Some(512), Some(320), Some(160)][..]),
+        (1, 384, &[None, Some(32), Some(64), Some(256)][..]),
+    ] {
+        let mut shape = DecodeShape::new(&dev, seqs, keys);
+        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+            shape.set_q_heads(&dev, hq);
+            let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
+            let (_, reference) = shape.run(&dev, &ops, &reference_plan);
+            for kernel in DecodeKernel::ALL {
+                for &partition in partitions {
+                    let plan = shape.plan(&ops, kernel, partition);
+                    let (s, out) = shape.run(&dev, &ops, &plan);
+                    let diff = max_abs_diff(&out, &reference);
+                    let what = format!(
+                        "decode {model} {seqs}x{keys} {kernel:?} part {}x{}",
+                        plan.decode_partitions, plan.decode_partition
+                    );
+                    println!(
+                        "BENCH decode_attention {what:<48} {:>8.2} us {:>6.3} TB/s \
+                         max|diff| {diff:.2e}",
+                        s * 1e6,
+                        shape.bytes() / s / 1e12
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The largest |a - b|, NaN if any element is NaN.
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
+        let d = (x - y).abs();
+        if m.is_nan() || d.is_nan() {
+            f32::NAN
+        } else {
+            m.max(d)
+        }
+    })
 }
 
 /// `sample_tokens_ex` over a decode batch of Qwen's vocabulary, the whole call (uploads,

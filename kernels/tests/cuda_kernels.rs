@@ -14,7 +14,7 @@ use vllm_kernels::cpu;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    Gemm, SampleRowEx, SamplingBatch,
+    DecodeKernel, Gemm, SampleRowEx, SamplingBatch,
 };
 
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
@@ -554,10 +554,10 @@ fn attention_case(
     bs: usize,
 ) {
     let sixteen_bit = c.dtype != DType::F32;
-    for kernels in [
-        AttentionKernels::CUDA_CORE,
-        AttentionKernels::flash(sixteen_bit),
-    ] {
+    attention_case_with(c, r, seqs, hq, hkv, d, bs, AttentionKernels::CUDA_CORE);
+    // Every decode kernel the bench times (the variants exist for head size 128).
+    for decode in DecodeKernel::ALL.into_iter().filter(|k| k.has_head_dim(d)) {
+        let kernels = AttentionKernels::flash(sixteen_bit).with_decode_kernel(decode);
         attention_case_with(c, r, seqs, hq, hkv, d, bs, kernels);
     }
 }
@@ -649,8 +649,12 @@ fn attention_case_with(
         .unwrap();
     let what = format!(
         "paged_attention seqs {seqs:?} hq {hq} hkv {hkv} d {d} bs {bs} tiles {:?} splits {} \
-         decode partitions {}×{}",
-        plan.tile_kernel, plan.num_splits, plan.decode_partitions, plan.decode_partition
+         decode {:?} partitions {}×{}",
+        plan.tile_kernel,
+        plan.num_splits,
+        kernels.decode_kernel,
+        plan.decode_partitions,
+        plan.decode_partition
     );
     // Outputs are convex combinations of V rows (|v| <= 1): an absolute bound.
     let t = match c.dtype {
@@ -702,6 +706,12 @@ fn paged_attention_matches_cpu() {
         // A batch that fills the SMs several times: long single-partition decode blocks.
         let wide: Vec<(usize, usize)> = (0..140).map(|i| ((i * 97) % 1300 + 600, 1)).collect();
         attention_case(&c, &mut r, &wide, 8, 4, 64, 16);
+        // Qwen3-8B's group of 4 and Llama-3.1-70B's of 8 at head size 128 (the decode
+        // kernels' tuning variants exist there only): decodes of mixed lengths, split too.
+        let decodes = [(600, 1), (0, 1), (1500, 1), (37, 1)];
+        attention_case(&c, &mut r, &decodes, 32, 8, 128, 16);
+        attention_case(&c, &mut r, &decodes, 64, 8, 128, 16);
+        attention_case(&c, &mut r, &[(2500, 1)], 32, 8, 128, 16);
         // A group of 16: decodes fall back to tiles.
         attention_case(&c, &mut r, &[(50, 1), (10, 30)], 16, 1, 64, 16);
     }

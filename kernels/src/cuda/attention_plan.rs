@@ -8,7 +8,11 @@
 //! bucket ([`decode_bucket`]) alone, and only the keys per partition (read by the kernel
 //! from device memory) follow the sequences' lengths. A CUDA graph captured for a bucket
 //! therefore replays any such step, and the eager path runs the very same launches, so
-//! `--enforce-eager` and graphs give identical results.
+//! `--enforce-eager` and graphs give identical results. Partitions past a sequence's end
+//! exit at once; at least [`DEC_MIN_PARTITION`] keys per partition keep a short sequence
+//! in a few partitions rather than a sliver in each.
+
+use std::sync::OnceLock;
 
 use anyhow::{ensure, Result};
 
@@ -30,6 +34,9 @@ pub const DEC_MAX_GROUP: usize = 8;
 pub const DEC_WARPS: usize = 4;
 /// Keys per decode partition, the starting point (vLLM's 512).
 pub const DEC_PARTITION: usize = 512;
+/// The shortest decode partition: a block's fixed cost (metadata reads, the merge, the
+/// partial's write and its combine) needs a few steps of keys behind it.
+pub const DEC_MIN_PARTITION: usize = 128;
 /// The longest decode partition: when the batch fills the GPU several times over, longer
 /// partitions save the partials and their combine.
 pub const DEC_MAX_PARTITION: usize = 2048;
@@ -38,6 +45,71 @@ const DEC_MAX_SHARED: usize = 48 * 1024;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
+/// Which kernel runs the one-token sequences (`csrc/attention_decode.cu`). Both take the
+/// same grid, arguments and partials, so the combine and every caller serve either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// `paged_attention_decode_d*_g*`: scores into shared memory, softmax, then V.
+    ThreePass,
+    /// `paged_attention_decode1_d*_g*`: one pass with an online softmax, K and V of a
+    /// key loaded together.
+    OnePass,
+    /// The one-pass kernel with 256 threads (`_t256`), head size 128 only: a tuning
+    /// variant the bench and tests weigh against `OnePass`.
+    OnePassT256,
+    /// The one-pass kernel with twice the keys per lane in flight (`_u2x`), head size 128
+    /// only.
+    OnePassU2x,
+}
+
+/// The decode kernel of the flash backend: the one line to flip after a GPU round.
+/// `VLLM_CUDA_DECODE_KERNEL=three-pass|one-pass` overrides it for a process.
+pub const DEFAULT_DECODE_KERNEL: DecodeKernel = DecodeKernel::ThreePass;
+
+impl DecodeKernel {
+    pub const ALL: [Self; 4] = [
+        Self::ThreePass,
+        Self::OnePass,
+        Self::OnePassT256,
+        Self::OnePassU2x,
+    ];
+
+    /// `DEFAULT_DECODE_KERNEL`, or the kernel `VLLM_CUDA_DECODE_KERNEL` names (the two
+    /// that exist for every head size); decided once per process.
+    pub fn for_process() -> Self {
+        static KERNEL: OnceLock<DecodeKernel> = OnceLock::new();
+        *KERNEL.get_or_init(|| match std::env::var("VLLM_CUDA_DECODE_KERNEL") {
+            Ok(v) => Self::from_name(v.trim()).unwrap_or_else(|| {
+                tracing::warn!("VLLM_CUDA_DECODE_KERNEL={v}: expected three-pass or one-pass");
+                DEFAULT_DECODE_KERNEL
+            }),
+            Err(_) => DEFAULT_DECODE_KERNEL,
+        })
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "three-pass" => Some(Self::ThreePass),
+            "one-pass" => Some(Self::OnePass),
+            _ => None,
+        }
+    }
+
+    /// Threads per block.
+    pub fn threads(self) -> u32 {
+        match self {
+            Self::OnePassT256 => 2 * DEC_THREADS,
+            _ => DEC_THREADS,
+        }
+    }
+
+    /// Whether the kernel exists for this head size (the variants only for 128).
+    pub fn has_head_dim(self, head_dim: usize) -> bool {
+        HEAD_DIMS.contains(&head_dim)
+            && (matches!(self, Self::ThreePass | Self::OnePass) || head_dim == 128)
+    }
+}
+
 /// Which attention kernels a backend uses: `--attention-backend cuda-core` (the first,
 /// CUDA-core kernel for every token) or `flash` (the decode kernel for one-token
 /// sequences and the tensor-core prefill for the rest, where the dtype has it).
@@ -45,12 +117,14 @@ pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 pub struct AttentionKernels {
     pub decode: bool,
     pub tensor_core_prefill: bool,
+    pub decode_kernel: DecodeKernel,
 }
 
 impl AttentionKernels {
     pub const CUDA_CORE: Self = Self {
         decode: false,
         tensor_core_prefill: false,
+        decode_kernel: DEFAULT_DECODE_KERNEL,
     };
 
     /// The flash kernels; tensor cores only for 16-bit dtypes.
@@ -58,6 +132,15 @@ impl AttentionKernels {
         Self {
             decode: true,
             tensor_core_prefill: sixteen_bit,
+            decode_kernel: DecodeKernel::for_process(),
+        }
+    }
+
+    /// The same kernels with `decode_kernel` for the one-token sequences.
+    pub fn with_decode_kernel(self, decode_kernel: DecodeKernel) -> Self {
+        Self {
+            decode_kernel,
+            ..self
         }
     }
 }
@@ -87,6 +170,7 @@ pub struct AttentionPlan {
     pub decode_seqs: Vec<i32>,
     /// The GQA group rounded up to a power of two: which decode kernel runs.
     pub decode_group: usize,
+    pub decode_kernel: DecodeKernel,
     /// Keys per decode partition, and partitions of the longest decode sequence (the
     /// grid's partition count, past the longest sequence for a fixed grid).
     pub decode_partition: usize,
@@ -148,12 +232,13 @@ impl DecodeGrid {
         self.partitions * self.max_partition
     }
 
-    /// Keys per partition for a longest sequence of `max_keys`: a power of two from 64
-    /// up, None past the grid's reach.
+    /// Keys per partition for a longest sequence of `max_keys`: a power of two from
+    /// `DEC_MIN_PARTITION` up, None past the grid's reach. The partitions past the longest
+    /// sequence's end exit at once.
     pub fn partition_for(&self, max_keys: usize) -> Option<usize> {
         let p = max_keys
             .div_ceil(self.partitions)
-            .max(64)
+            .max(DEC_MIN_PARTITION)
             .next_power_of_two();
         (p <= self.max_partition).then_some(p)
     }
@@ -204,6 +289,7 @@ impl AttentionPlan {
             split_keys: i32::MAX as usize,
             decode_seqs: Vec::new(),
             decode_group: group.next_power_of_two(),
+            decode_kernel: kernels.decode_kernel,
             decode_partition: DEC_PARTITION,
             decode_partitions: 0,
             decode_smem_partition: DEC_PARTITION,
@@ -253,7 +339,7 @@ impl AttentionPlan {
             let blocks = plan.decode_seqs.len() * num_kv_heads;
             let mut partition = DEC_PARTITION;
             // Halve the partition while the blocks would leave SMs idle (few, long decodes).
-            while partition > 64
+            while partition > DEC_MIN_PARTITION
                 && blocks * max_decode_keys.div_ceil(partition) < 2 * num_sms
                 && max_decode_keys > partition
             {
@@ -277,10 +363,15 @@ impl AttentionPlan {
         Ok(plan)
     }
 
-    /// Dynamic shared memory of a decode block: the keys' cache offsets, the scores and
-    /// the cross-warp reduction.
+    /// Dynamic shared memory of a decode block: for the three-pass kernel the keys' cache
+    /// offsets, the scores and the cross-warp reduction; the one-pass kernel's is static.
     pub fn decode_shared_bytes(&self, head_dim: usize) -> usize {
-        decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
+        match self.decode_kernel {
+            DecodeKernel::ThreePass => {
+                decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
+            }
+            _ => 0,
+        }
     }
 
     /// Index of the decode kernel for `decode_group` (1, 2, 4, 8 → 0..3).
@@ -315,10 +406,12 @@ mod tests {
     const FLASH: AttentionKernels = AttentionKernels {
         decode: true,
         tensor_core_prefill: true,
+        decode_kernel: DecodeKernel::ThreePass,
     };
     const FLASH_F32: AttentionKernels = AttentionKernels {
         decode: true,
         tensor_core_prefill: false,
+        decode_kernel: DecodeKernel::ThreePass,
     };
 
     #[test]
@@ -388,7 +481,8 @@ mod tests {
             assert_eq!(p.decode_partitions, grid.partitions, "len {len}");
             assert_eq!(p.decode_smem_partition, grid.max_partition);
             assert!(p.decode_partition * p.decode_partitions >= len as usize);
-            assert!(p.decode_partition >= 64 && p.decode_partition.is_power_of_two());
+            assert!(p.decode_partition >= DEC_MIN_PARTITION);
+            assert!(p.decode_partition.is_power_of_two());
         }
         // 3 sequences share bucket 4's grid with 4 sequences.
         let three = AttentionPlan::new(&[0, 1, 2, 3], &[50, 700, 9], 16, 8, 132, FLASH).unwrap();
@@ -405,6 +499,61 @@ mod tests {
         let p = AttentionPlan::new(&qsl, &[long; 256], 16, 8, 132, FLASH).unwrap();
         assert!(p.decode_partitions * p.decode_partition >= long as usize);
         assert_eq!(p.decode_smem_partition, p.decode_partition);
+    }
+
+    #[test]
+    fn a_short_decode_fills_a_few_partitions_of_the_fixed_grid() {
+        // Batch 1 of Qwen3-0.6B: 33 partitions per kv head, for sequences up to 33 × 2048
+        // keys; a 384-key sequence takes 3 of DEC_MIN_PARTITION keys, the rest exit.
+        let grid = DecodeGrid::for_bucket(1, 16, 8, 132).unwrap();
+        assert_eq!(grid.partition_for(384), Some(DEC_MIN_PARTITION));
+        assert_eq!(grid.partition_for(1), Some(DEC_MIN_PARTITION));
+        assert_eq!(grid.partition_for(33 * 128), Some(128));
+        assert_eq!(grid.partition_for(33 * 128 + 1), Some(256));
+        assert_eq!(
+            grid.partition_for(grid.max_keys()),
+            Some(grid.max_partition)
+        );
+        assert_eq!(grid.partition_for(grid.max_keys() + 1), None);
+        let p = AttentionPlan::new(&[0, 1], &[384], 16, 8, 132, FLASH).unwrap();
+        assert_eq!((p.decode_partitions, p.decode_partition), (33, 128));
+        assert_eq!(384usize.div_ceil(p.decode_partition), 3);
+        // Beside a prefill (no fixed grid) a short sequence takes one partition, and a
+        // long one is halved down to the minimum at most.
+        let qsl = decodes_and_a_prefill(1);
+        let p = AttentionPlan::new(&qsl, &[384, 4], 16, 8, 132, FLASH).unwrap();
+        assert_eq!(p.decode_partitions, 1);
+        let p = AttentionPlan::new(&qsl, &[8000, 4], 16, 8, 132, FLASH).unwrap();
+        assert_eq!(p.decode_partition, DEC_MIN_PARTITION);
+    }
+
+    #[test]
+    fn one_pass_decode_takes_the_same_grid_without_dynamic_shared_memory() {
+        let qsl: Vec<i32> = (0..=256).collect();
+        for kernel in DecodeKernel::ALL {
+            let kernels = FLASH.with_decode_kernel(kernel);
+            let p = AttentionPlan::new(&qsl, &[601; 256], 16, 8, 132, kernels).unwrap();
+            let three = AttentionPlan::new(&qsl, &[601; 256], 16, 8, 132, FLASH).unwrap();
+            assert_eq!(p.decode_kernel, kernel);
+            assert_eq!(
+                (p.decode_partitions, p.decode_partition),
+                (three.decode_partitions, three.decode_partition)
+            );
+            let smem = p.decode_shared_bytes(128);
+            assert_eq!(smem == 0, kernel != DecodeKernel::ThreePass, "{kernel:?}");
+            assert!(kernel.has_head_dim(128));
+            assert_eq!(
+                kernel.has_head_dim(64),
+                matches!(kernel, DecodeKernel::ThreePass | DecodeKernel::OnePass)
+            );
+        }
+        assert_eq!(DecodeKernel::OnePassT256.threads(), 256);
+        assert_eq!(
+            DecodeKernel::from_name("one-pass"),
+            Some(DecodeKernel::OnePass)
+        );
+        assert_eq!(DecodeKernel::from_name("one-pass-t256"), None);
+        assert_eq!(DecodeKernel::OnePass.threads(), DEC_THREADS);
     }
 
     #[test]

@@ -19,7 +19,7 @@ pub mod ops;
 pub mod sampling_ops;
 pub mod sources;
 
-pub use attention_plan::{AttentionKernels, AttentionPlan};
+pub use attention_plan::{AttentionKernels, AttentionPlan, DecodeKernel};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;

@@ -556,7 +556,7 @@ fn attention_case(
     let sixteen_bit = c.dtype != DType::F32;
     attention_case_with(c, r, seqs, hq, hkv, d, bs, AttentionKernels::CUDA_CORE);
     // Every decode kernel the bench times (the variants exist for head size 128).
-    for decode in DecodeKernel::ALL.into_iter().filter(|k| k.has_head_dim(d)) {
+    for decode in DecodeKernel::ALL {
         let kernels = AttentionKernels::flash(sixteen_bit).with_decode_kernel(decode);
         attention_case_with(c, r, seqs, hq, hkv, d, bs, kernels);
     }

@@ -9,10 +9,7 @@
 //! from device memory) follow the sequences' lengths. A CUDA graph captured for a bucket
 //! therefore replays any such step, and the eager path runs the very same launches, so
 //! `--enforce-eager` and graphs give identical results. Partitions past a sequence's end
-//! exit at once; at least [`DEC_MIN_PARTITION`] keys per partition keep a short sequence
-//! in a few partitions rather than a sliver in each.
-
-use std::sync::OnceLock;
+//! exit at once; at least [`DEC_MIN_PARTITION`] keys per partition.
 
 use anyhow::{ensure, Result};
 
@@ -34,9 +31,11 @@ pub const DEC_MAX_GROUP: usize = 8;
 pub const DEC_WARPS: usize = 4;
 /// Keys per decode partition, the starting point (vLLM's 512).
 pub const DEC_PARTITION: usize = 512;
-/// The shortest decode partition: a block's fixed cost (metadata reads, the merge, the
-/// partial's write and its combine) needs a few steps of keys behind it.
-pub const DEC_MIN_PARTITION: usize = 128;
+/// The shortest decode partition. On an H100 a batch-1 decode of 384 keys (Qwen3-0.6B)
+/// took 8.9 µs with attention and combine at 32 keys a partition, 10.9 at 64 and 15.1 at
+/// 128 (`cuda_bench decode_attention`, docs/BENCHMARKS.md): at batch 1 more, shorter
+/// partitions beat fewer blocks with a longer walk each.
+pub const DEC_MIN_PARTITION: usize = 32;
 /// The longest decode partition: when the batch fills the GPU several times over, longer
 /// partitions save the partials and their combine.
 pub const DEC_MAX_PARTITION: usize = 2048;
@@ -52,62 +51,17 @@ pub enum DecodeKernel {
     /// `paged_attention_decode_d*_g*`: scores into shared memory, softmax, then V.
     ThreePass,
     /// `paged_attention_decode1_d*_g*`: one pass with an online softmax, K and V of a
-    /// key loaded together.
+    /// key loaded together. Kept beside the default for the bench and the tests: on the
+    /// H100 it lost at GQA group 2 and won at group 4 (docs/BENCHMARKS.md, "Decode
+    /// attention kernels"), a per-group choice not yet checked through the whole model.
     OnePass,
-    /// The one-pass kernel with 256 threads (`_t256`), head size 128 only: a tuning
-    /// variant the bench and tests weigh against `OnePass`.
-    OnePassT256,
-    /// The one-pass kernel with twice the keys per lane in flight (`_u2x`), head size 128
-    /// only.
-    OnePassU2x,
 }
 
-/// The decode kernel of the flash backend: the one line to flip after a GPU round.
-/// `VLLM_CUDA_DECODE_KERNEL=three-pass|one-pass` overrides it for a process.
+/// The decode kernel of the flash backend.
 pub const DEFAULT_DECODE_KERNEL: DecodeKernel = DecodeKernel::ThreePass;
 
 impl DecodeKernel {
-    pub const ALL: [Self; 4] = [
-        Self::ThreePass,
-        Self::OnePass,
-        Self::OnePassT256,
-        Self::OnePassU2x,
-    ];
-
-    /// `DEFAULT_DECODE_KERNEL`, or the kernel `VLLM_CUDA_DECODE_KERNEL` names (the two
-    /// that exist for every head size); decided once per process.
-    pub fn for_process() -> Self {
-        static KERNEL: OnceLock<DecodeKernel> = OnceLock::new();
-        *KERNEL.get_or_init(|| match std::env::var("VLLM_CUDA_DECODE_KERNEL") {
-            Ok(v) => Self::from_name(v.trim()).unwrap_or_else(|| {
-                tracing::warn!("VLLM_CUDA_DECODE_KERNEL={v}: expected three-pass or one-pass");
-                DEFAULT_DECODE_KERNEL
-            }),
-            Err(_) => DEFAULT_DECODE_KERNEL,
-        })
-    }
-
-    fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "three-pass" => Some(Self::ThreePass),
-            "one-pass" => Some(Self::OnePass),
-            _ => None,
-        }
-    }
-
-    /// Threads per block.
-    pub fn threads(self) -> u32 {
-        match self {
-            Self::OnePassT256 => 2 * DEC_THREADS,
-            _ => DEC_THREADS,
-        }
-    }
-
-    /// Whether the kernel exists for this head size (the variants only for 128).
-    pub fn has_head_dim(self, head_dim: usize) -> bool {
-        HEAD_DIMS.contains(&head_dim)
-            && (matches!(self, Self::ThreePass | Self::OnePass) || head_dim == 128)
-    }
+    pub const ALL: [Self; 2] = [Self::ThreePass, Self::OnePass];
 }
 
 /// Which attention kernels a backend uses: `--attention-backend cuda-core` (the first,
@@ -132,7 +86,7 @@ impl AttentionKernels {
         Self {
             decode: true,
             tensor_core_prefill: sixteen_bit,
-            decode_kernel: DecodeKernel::for_process(),
+            decode_kernel: DEFAULT_DECODE_KERNEL,
         }
     }
 
@@ -504,7 +458,7 @@ mod tests {
     #[test]
     fn a_short_decode_fills_a_few_partitions_of_the_fixed_grid() {
         // Batch 1 of Qwen3-0.6B: 33 partitions per kv head, for sequences up to 33 × 2048
-        // keys; a 384-key sequence takes 3 of DEC_MIN_PARTITION keys, the rest exit.
+        // keys; a 384-key sequence takes 12 of DEC_MIN_PARTITION keys, the rest exit.
         let grid = DecodeGrid::for_bucket(1, 16, 8, 132).unwrap();
         assert_eq!(grid.partition_for(384), Some(DEC_MIN_PARTITION));
         assert_eq!(grid.partition_for(1), Some(DEC_MIN_PARTITION));
@@ -516,15 +470,15 @@ mod tests {
         );
         assert_eq!(grid.partition_for(grid.max_keys() + 1), None);
         let p = AttentionPlan::new(&[0, 1], &[384], 16, 8, 132, FLASH).unwrap();
-        assert_eq!((p.decode_partitions, p.decode_partition), (33, 128));
-        assert_eq!(384usize.div_ceil(p.decode_partition), 3);
+        assert_eq!((p.decode_partitions, p.decode_partition), (33, 32));
+        assert_eq!(384usize.div_ceil(p.decode_partition), 12);
         // Beside a prefill (no fixed grid) a short sequence takes one partition, and a
-        // long one is halved down to the minimum at most.
+        // long one is halved until its blocks fill the GPU twice (8 × 63 of 128 keys).
         let qsl = decodes_and_a_prefill(1);
         let p = AttentionPlan::new(&qsl, &[384, 4], 16, 8, 132, FLASH).unwrap();
         assert_eq!(p.decode_partitions, 1);
         let p = AttentionPlan::new(&qsl, &[8000, 4], 16, 8, 132, FLASH).unwrap();
-        assert_eq!(p.decode_partition, DEC_MIN_PARTITION);
+        assert_eq!(p.decode_partition, 128);
     }
 
     #[test]
@@ -541,19 +495,7 @@ mod tests {
             );
             let smem = p.decode_shared_bytes(128);
             assert_eq!(smem == 0, kernel != DecodeKernel::ThreePass, "{kernel:?}");
-            assert!(kernel.has_head_dim(128));
-            assert_eq!(
-                kernel.has_head_dim(64),
-                matches!(kernel, DecodeKernel::ThreePass | DecodeKernel::OnePass)
-            );
         }
-        assert_eq!(DecodeKernel::OnePassT256.threads(), 256);
-        assert_eq!(
-            DecodeKernel::from_name("one-pass"),
-            Some(DecodeKernel::OnePass)
-        );
-        assert_eq!(DecodeKernel::from_name("one-pass-t256"), None);
-        assert_eq!(DecodeKernel::OnePass.threads(), DEC_THREADS);
     }
 
     #[test]

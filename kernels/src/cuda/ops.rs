@@ -13,7 +13,7 @@ use cudarc::driver::{
 };
 
 use super::attention_plan::{
-    AttentionPlan, DecodeKernel, TileKernel, ATT_THREADS, HEAD_DIMS, PF_THREADS,
+    AttentionPlan, DecodeKernel, TileKernel, ATT_THREADS, DEC_THREADS, HEAD_DIMS, PF_THREADS,
 };
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
@@ -788,10 +788,14 @@ impl CudaOps {
             };
             let cfg = LaunchConfig {
                 grid_dim: (num_decode as u32, dims.num_kv_heads as u32, parts as u32),
-                block_dim: (plan.decode_kernel.threads(), 1, 1),
+                block_dim: (DEC_THREADS, 1, 1),
                 shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
             };
-            let func = self.decode_function(plan, d_index, dims.head_dim)?;
+            let g = plan.decode_group_index();
+            let func = match plan.decode_kernel {
+                DecodeKernel::ThreePass => &self.f.paged_attention_decode[d_index][g],
+                DecodeKernel::OnePass => &self.f.paged_attention_decode1[d_index][g],
+            };
             // SAFETY: buffer sizes checked by `paged_attention`; block tables and seq_lens
             // are checked on the host by the caller, which holds their host copies.
             launch!(unsafe self, func => "paged_attention_decode", cfg; &args)?;
@@ -811,27 +815,6 @@ impl CudaOps {
                 meta.decode_partition, out, &nd, &hq, &d, &np)?;
         }
         Ok(())
-    }
-
-    /// The plan's decode kernel for head size `head_dim` (index `d_index` of HEAD_DIMS).
-    fn decode_function(
-        &self,
-        plan: &AttentionPlan,
-        d_index: usize,
-        head_dim: usize,
-    ) -> Result<&CudaFunction> {
-        let kernel = plan.decode_kernel;
-        ensure!(
-            kernel.has_head_dim(head_dim),
-            "paged attention: decode kernel {kernel:?} has no head size {head_dim}"
-        );
-        let g = plan.decode_group_index();
-        Ok(match kernel {
-            DecodeKernel::ThreePass => &self.f.paged_attention_decode[d_index][g],
-            DecodeKernel::OnePass => &self.f.paged_attention_decode1[d_index][g],
-            DecodeKernel::OnePassT256 => &self.f.paged_attention_decode1_variants[0][g],
-            DecodeKernel::OnePassU2x => &self.f.paged_attention_decode1_variants[1][g],
-        })
     }
 
     fn attention_tiles_tensor_core(

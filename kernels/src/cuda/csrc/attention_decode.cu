@@ -553,9 +553,9 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a,
     }
 }
 
-// paged_attention_decode1_d{D}_g{GP}: 128 threads, dec1_unroll(GP) keys per lane. The
-// variants the bench weighs against it exist for D = 128 only: _t256 (256 threads) and
-// _u2x (twice the keys per lane in flight).
+// paged_attention_decode1_d{D}_g{GP}: 128 threads, dec1_unroll(GP) keys per lane. (A
+// 256-thread variant and one with twice the keys in flight were slower on the H100 at
+// every shape the bench tried: docs/BENCHMARKS.md.)
 #define DECODE1_KERNEL(NAME, D, GP, THREADS, U)                                    \
     extern "C" __global__ void                                                     \
     __launch_bounds__(THREADS, dec1_min_blocks(D, GP, THREADS, U)) NAME(DecodeArgs a) { \
@@ -567,25 +567,17 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a,
     }
 #define DECODE1_KERNELS(D, GP) \
     DECODE1_KERNEL(paged_attention_decode1_d##D##_g##GP, D, GP, 128, dec1_unroll(GP))
-#define DECODE1_VARIANTS(GP)                                                                \
-    DECODE1_KERNEL(paged_attention_decode1_d128_g##GP##_t256, 128, GP, 256, dec1_unroll(GP)) \
-    DECODE1_KERNEL(paged_attention_decode1_d128_g##GP##_u2x, 128, GP, 128,                  \
-                   2 * dec1_unroll(GP))
 #define DECODE1_GROUPS(D) \
     DECODE1_KERNELS(D, 1) DECODE1_KERNELS(D, 2) DECODE1_KERNELS(D, 4) DECODE1_KERNELS(D, 8)
 DECODE1_GROUPS(16)
 DECODE1_GROUPS(32)
 DECODE1_GROUPS(64)
 DECODE1_GROUPS(128)
-DECODE1_VARIANTS(1)
-DECODE1_VARIANTS(2)
-DECODE1_VARIANTS(4)
-DECODE1_VARIANTS(8)
 
 // Merges the partitions of every (decode sequence, q head) into the token's output row:
 // one block of head_dim threads per row. Only the partitions holding keys of the sequence
 // are read: a fixed grid sized for long sequences leaves most of them empty for short
-// ones (a batch-1 grid has 33 partitions, a 384-key sequence fills 3 of 128 keys).
+// ones (a batch-1 grid has 33 partitions, a 384-key sequence fills 12 of 32 keys).
 extern "C" __global__ void paged_attention_decode_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml,
     const int* __restrict__ decode_seqs, const int* __restrict__ query_start_loc,

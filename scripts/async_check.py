@@ -76,17 +76,23 @@ def run(port, all_at_once):
 
 
 def compare(name, a, b):
+    """Prints how many requests agree in token ids, and in ids and logprobs; True when
+    every request agrees in both."""
+    def ids(res):
+        return [[c[0] for c in choices] for choices in res]
+
+    same_ids = sum(1 for x, y in zip(ids(a), ids(b)) if x == y)
     same = sum(1 for x, y in zip(a, b) if x == y)
     verdict = "MATCH" if same == len(a) else "DIFFER"
-    print(f"{verdict} async-check {name}: {same}/{len(a)} requests identical "
-          f"(token ids and logprobs)", flush=True)
+    print(f"{verdict} async-check {name}: token ids identical in {same_ids}/{len(a)} "
+          f"requests, ids and logprobs in {same}/{len(a)}", flush=True)
     for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            for c, (cx, cy) in enumerate(zip(x, y)):
-                ids_x, ids_y = cx[0] or [], cy[0] or []
+        for c, (cx, cy) in enumerate(zip(x, y)):
+            ids_x, ids_y = cx[0] or [], cy[0] or []
+            if ids_x != ids_y:
                 k = next((j for j, (p, q) in enumerate(zip(ids_x, ids_y)) if p != q),
                          min(len(ids_x), len(ids_y)))
-                print(f"  request {i} choice {c}: first difference at token {k} of "
+                print(f"  request {i} choice {c}: ids differ from token {k} of "
                       f"{len(ids_x)}", flush=True)
     return same == len(a)
 

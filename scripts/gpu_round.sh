@@ -111,6 +111,17 @@ serve_stage() {
     fi
 }
 
+# Waits until the server on `port` answers /health, it exits, or `tenths` of a second pass.
+wait_health() {
+    local port=$1 pid=$2 tenths=${3:-1200}
+    for _ in $(seq 1 "$tenths"); do
+        curl -sf "localhost:$port/health" >/dev/null 2>&1 && return 0
+        kill -0 "$pid" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+
 # Seconds from `serve` to the first /health 200.
 time_to_health() {
     local dir=$1 port=$2
@@ -138,10 +149,7 @@ throughput() {
     local dir=$1 port=$2
     "$BIN" serve --model "$dir" --port "$port" --device cuda >"$LOG/serve-bench.log" 2>&1 &
     local pid=$!
-    for _ in $(seq 1 1200); do
-        curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
-        sleep 0.1
-    done
+    wait_health "$port" "$pid"
     python3 - "$port" "$G/nanovllm-256.jsonl" "${BENCH_DEADLINE:-200}" <<'EOF'
 import json, sys, time, threading, urllib.request
 port, path, deadline = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -235,10 +243,7 @@ serve_bench() {
     make_model qwen3-0.6b "$m"
     "$BIN" serve --model "$m" --device cuda --port $port $ENGINE_ARGS >"$LOG/serve-bench-serve.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 1200); do
-        curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
-        sleep 0.1
-    done
+    wait_health $port $pid
     for rate in inf 16; do
         echo "BENCH serve 1000 x 512/128 --request-rate $rate $ENGINE_ARGS:"
         timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench serve --port $port --model "$m" \
@@ -326,11 +331,7 @@ tp_70b() {
     "$BIN" serve --model "$m" --load-format dummy --device cuda -t 2 --port $port \
         --max-model-len 8192 >"$LOG/serve-70b.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 1800); do
-        curl -sf "localhost:$port/health" >/dev/null 2>&1 && break
-        kill -0 $pid 2>/dev/null || break
-        sleep 0.1
-    done
+    wait_health $port $pid 1800
     echo "BENCH 70b TP=2 serve -> /health 200: $(awk "BEGIN{print $(date +%s.%N) - $t0}")s"
     grep -a -E "loaded|KV cache|ERROR" "$LOG/serve-70b.log" | head -6
     echo "BENCH 70b completion: $(curl -s "localhost:$port/v1/completions" -H 'content-type: application/json' \
@@ -347,7 +348,7 @@ tp_70b() {
 
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS
-export -f make_model served_check serve_stage time_to_health throughput bench_stage offline_bench profile_stage latency_8b serve_bench llama_8b \
+export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b
 
 for s in $STAGES; do

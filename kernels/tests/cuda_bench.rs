@@ -320,7 +320,7 @@ fn decode_attention() {
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     for (seqs, keys, partitions) in [
         (256, 601, &[None, Some(512), Some(320), Some(160)][..]),
-        (1, 384, &[None, Some(32), Some(64), Some(256)][..]),
+        (1, 384, &[None, Some(64), Some(128), Some(256)][..]),
     ] {
         let mut shape = DecodeShape::new(&dev, seqs, keys);
         for (model, hq) in [("0.6B", HQ), ("8B", 32)] {

@@ -315,14 +315,9 @@ __host__ __device__ constexpr int dec1_unroll(int gp) { return VEC16 == 8 ? 4 : 
 // batch-256 grid of 2,048 blocks runs in about 4 waves. q of groups 4 and 8 lives in
 // shared memory (`Decode1Smem`), without which group 4 takes 160 registers (3 blocks) and
 // group 8 209 (2 blocks); 3 blocks of group 8 fit without spills from head size 32 up.
-// The twice-unrolled variant and f32 take what ptxas gives them.
-__host__ __device__ constexpr int dec1_min_blocks(int d, int gp, int threads, int u) {
-    return VEC16 != 8 || u > 4 ? 1
-           : threads == 256    ? (gp <= 4 ? 2 : 1)
-           : gp == 1           ? 5
-           : gp <= 4           ? 4
-           : d >= 32           ? 3
-                               : 1;
+// f32 takes what ptxas gives it.
+__host__ __device__ constexpr int dec1_min_blocks(int d, int gp) {
+    return VEC16 != 8 ? 1 : gp == 1 ? 5 : gp <= 4 ? 4 : d >= 32 ? 3 : 1;
 }
 
 // The cache block of a key and its position there: shifts for a power-of-two block size
@@ -337,23 +332,24 @@ struct BlockDiv {
 
 // Shared memory of a one-pass block: the warps' states for the merge, and q for groups of
 // 4 and 8. Declared once in the entry point, which instantiates the kernel twice (POW2).
-template <int D, int GP, int THREADS>
+template <int D, int GP>
 struct Decode1Smem {
     static constexpr bool Q_SHARED = GP >= 4;
-    float red[THREADS / 32][GP][D];
-    float m[THREADS / 32][GP];
-    float l[THREADS / 32][GP];
+    float red[DEC_WARPS][GP][D];
+    float m[DEC_WARPS][GP];
+    float l[DEC_WARPS][GP];
     float4 q[Q_SHARED ? GP : 1][D / 4];
 };
 
-template <int D, int GP, int THREADS, int U, bool POW2>
-__device__ void paged_attention_decode1_impl(const DecodeArgs& a,
-                                             Decode1Smem<D, GP, THREADS>& sm) {
-    constexpr int TG = D / 8;            // lanes per key
-    constexpr int NG = THREADS / TG;     // key groups per block
-    constexpr int WARPS = THREADS / 32;
-    constexpr int STEP = NG * U;         // keys per block per step
-    constexpr bool Q_SHARED = Decode1Smem<D, GP, THREADS>::Q_SHARED;
+template <int D, int GP, bool POW2>
+__device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D, GP>& sm) {
+    constexpr int THREADS = DEC_THREADS;
+    constexpr int TG = D / 8;               // lanes per key
+    constexpr int NG = THREADS / TG;        // key groups per block
+    constexpr int WARPS = DEC_WARPS;
+    constexpr int U = dec1_unroll(GP);      // keys per lane per step
+    constexpr int STEP = NG * U;            // keys per block per step
+    constexpr bool Q_SHARED = Decode1Smem<D, GP>::Q_SHARED;
     auto& red = sm.red;
     auto& s_m = sm.m;
     auto& s_l = sm.l;
@@ -556,17 +552,15 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a,
 // paged_attention_decode1_d{D}_g{GP}: 128 threads, dec1_unroll(GP) keys per lane. (A
 // 256-thread variant and one with twice the keys in flight were slower on the H100 at
 // every shape the bench tried: docs/BENCHMARKS.md.)
-#define DECODE1_KERNEL(NAME, D, GP, THREADS, U)                                    \
-    extern "C" __global__ void                                                     \
-    __launch_bounds__(THREADS, dec1_min_blocks(D, GP, THREADS, U)) NAME(DecodeArgs a) { \
-        __shared__ Decode1Smem<D, GP, THREADS> sm;                                 \
-        if (a.block_size & (a.block_size - 1))                                     \
-            paged_attention_decode1_impl<D, GP, THREADS, U, false>(a, sm);         \
-        else                                                                       \
-            paged_attention_decode1_impl<D, GP, THREADS, U, true>(a, sm);          \
+#define DECODE1_KERNELS(D, GP)                                                      \
+    extern "C" __global__ void __launch_bounds__(DEC_THREADS, dec1_min_blocks(D, GP)) \
+        paged_attention_decode1_d##D##_g##GP(DecodeArgs a) {                         \
+        __shared__ Decode1Smem<D, GP> sm;                                            \
+        if (a.block_size & (a.block_size - 1))                                       \
+            paged_attention_decode1_impl<D, GP, false>(a, sm);                       \
+        else                                                                         \
+            paged_attention_decode1_impl<D, GP, true>(a, sm);                        \
     }
-#define DECODE1_KERNELS(D, GP) \
-    DECODE1_KERNEL(paged_attention_decode1_d##D##_g##GP, D, GP, 128, dec1_unroll(GP))
 #define DECODE1_GROUPS(D) \
     DECODE1_KERNELS(D, 1) DECODE1_KERNELS(D, 2) DECODE1_KERNELS(D, 4) DECODE1_KERNELS(D, 8)
 DECODE1_GROUPS(16)

@@ -550,11 +550,14 @@ impl Backend for CudaBackend {
             "linear_silu_and_mul: x has {k} columns, gate/up weight {:?}",
             w.shape
         );
-        let mut out = self.tensor(vec![m, d])?;
-        // A single row fuses the activation into the thin GEMM's epilogue.
-        if m <= GEMV_PAYS_MAX_M && self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
-            self.ops.gemv_silu_mul(&x.buf, &w.buf, &mut out.buf, k, d)?;
-            return Ok(out);
+        // A single row fuses the activation into the thin GEMM's epilogue; the output is
+        // allocated only then (inside a captured graph an unused one is two more nodes).
+        if m <= GEMV_PAYS_MAX_M {
+            let mut out = self.tensor(vec![m, d])?;
+            if self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
+                self.ops.gemv_silu_mul(&x.buf, &w.buf, &mut out.buf, k, d)?;
+                return Ok(out);
+            }
         }
         self.silu_and_mul(&self.linear(x, w, None)?)
     }

@@ -5,9 +5,11 @@
 //! ([`LogitEntry`], sorted by token), so only what a request's history implies is uploaded,
 //! and only the sampled tokens and the asked-for logprobs come back.
 //!
-//! Rows without entries or logprobs that are greedy or temperature (+ min-p) sampled take
-//! the fast path (sampling_fast.cu: each row split over many blocks, two launches); the
-//! rest take `sample_tokens_ex` (one block per row). Both give the CPU sampler's tokens.
+//! Rows without entries or logprobs take the fast path (sampling_fast.cu: each row split
+//! over many blocks, one or two launches; top-k / top-p rows merge per-chunk candidates
+//! exactly, or hand the row back when they cannot); the rest, and the rows handed back,
+//! take `sample_tokens_ex` (one block per row), launched after. Both give the CPU
+//! sampler's tokens.
 
 use anyhow::{ensure, Result};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
@@ -29,6 +31,13 @@ pub const PATH_FAST: i32 = 1;
 const FAST_CHUNK: usize = 8192;
 /// Threads of one block of the fast path (`FAST_THREADS` in sampling_fast.cu).
 const FAST_THREADS: u32 = 256;
+/// Candidate slots of one chunk of a top-k / top-p row: `FAST_WARPS` × `TOP_WCAP` in
+/// sampling_fast.cu.
+const TOP_WARP_SLOTS: usize = FAST_THREADS as usize / 32;
+const TOP_WCAP: usize = 32;
+/// Vocabularies whose top-k / top-p rows the fast path takes: its merge keys a token by
+/// 21 bits of id (`TOP_RANK_BITS` in sampling_fast.cu); larger ones use the general kernel.
+const TOP_MAX_VOCAB: usize = 1 << 21;
 
 /// One (row, token) the logits processors change (`LogitEntry` in sampling.cu).
 #[repr(C)]
@@ -84,17 +93,23 @@ pub struct SampleRowEx {
 unsafe impl DeviceRepr for SampleRowEx {}
 
 impl SampleRowEx {
-    /// Whether the fast path samples this row: no logits-processor entries, no logprobs,
-    /// and greedy or a draw with at most min-p (top-k and top-p need the general kernel's
-    /// selection). The conditions are the kernels' own (`temperature < 1e-5`: greedy;
-    /// `top_k > 0` and `top_p < 1` switch those filters on).
+    /// Whether the fast path samples this row: no logits-processor entries and no
+    /// logprobs. Its top-k / top-p rows ([`Self::is_top`]) may still be handed to the
+    /// general kernel on the GPU, when their candidates cannot give the exact answer.
     pub fn takes_fast_path(&self) -> bool {
-        let b = &self.base;
-        // As the kernels test them: NaN compares false (a NaN top_p is off).
-        let top_p_on = b.top_p < 1.0;
-        self.entry_begin == self.entry_end
-            && self.logprobs < 0
-            && (self.is_greedy() || (b.top_k <= 0 && !top_p_on))
+        self.entry_begin == self.entry_end && self.logprobs < 0
+    }
+
+    /// A draw with top-k or top-p on, as the kernels decide it (`top_k > 0`, `top_p < 1`:
+    /// a NaN top_p is off).
+    pub fn is_top(&self) -> bool {
+        !self.is_greedy() && (self.base.top_k > 0 || self.base.top_p < 1.0)
+    }
+
+    /// A top row whose top-p may need the row's whole mass (no top-k to bound it), so the
+    /// fast path's second launch.
+    fn may_need_total(&self) -> bool {
+        self.is_top() && self.base.top_k <= 0
     }
 
     /// Greedy as the kernels decide it (`temperature < 1e-5`).
@@ -169,6 +184,9 @@ impl<'a> SamplingBatch<'a> {
 pub struct SampledBatch {
     pub tokens: Vec<i32>,
     pub logprobs: Vec<TokenLogprobsOut>,
+    /// Top-k / top-p rows the fast path handed to the general kernel (counted in `poison`
+    /// calls only, for tests: it costs a read-back).
+    pub handed_back: usize,
 }
 
 impl SamplingBatch<'_> {
@@ -249,15 +267,19 @@ impl CudaOps {
         }
     }
 
-    /// The fast path's two launches over the rows marked [`PATH_FAST`] in `params`
-    /// (`draw`: some of them are not greedy); the other rows' blocks return at once.
+    /// The fast path's launches over the rows marked [`PATH_FAST`] in `params` (`draw`: a
+    /// second launch is needed; `top`: some rows are top rows, whose kernels also merge
+    /// candidates and may set a row's path back to 0); the other rows' blocks return at
+    /// once.
+    #[allow(clippy::too_many_arguments)]
     fn sample_fast(
         &self,
         logits: &CudaSlice<u8>,
         vocab: i32,
         rows: usize,
-        params: &CudaSlice<SampleRowEx>,
+        params: &mut CudaSlice<SampleRowEx>,
         draw: bool,
+        top: bool,
         tokens: &mut CudaSlice<i32>,
     ) -> Result<()> {
         let chunks = (vocab as usize).div_ceil(FAST_CHUNK);
@@ -267,8 +289,8 @@ impl CudaOps {
         );
         let n = rows * chunks;
         // Scratch left uninitialised: every element is written by a chunk's block before the
-        // row's last block reads it, and row_max / row_fallback by sample_fast_max before
-        // sample_fast_draw (same stream) reads them.
+        // row's last block reads it, and row_max / row_fallback by the first launch before
+        // the second (same stream) reads them.
         let mut part_val = self.output::<f32>(n, None)?;
         let mut part_id = self.output::<i32>(n, None)?;
         let mut row_max = self.output::<f32>(rows, None)?;
@@ -278,28 +300,62 @@ impl CudaOps {
             .stream
             .alloc_zeros::<u32>(rows)
             .map_err(|e| driver_error("allocating sampling counters", e))?;
+        // Top batches: (chunk, row), so that a row's blocks run together (sampling_fast.cu's
+        // `fast_block`).
+        ensure!(
+            !top || rows <= 65_535,
+            "sampling: {rows} rows exceed the top-k / top-p fast path's grid"
+        );
+        let grid_dim = if top {
+            (chunks as u32, rows as u32, 1)
+        } else {
+            (rows as u32, chunks as u32, 1)
+        };
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, chunks as u32, 1),
+            grid_dim,
             block_dim: (FAST_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the caller checked the logits size; the scratch holds rows × chunks
-        // partials and one counter, max and fallback per row, as the kernel indexes them.
-        launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, params, &mut part_val,
-            &mut part_id, &mut counters, &mut row_max, &mut row_fallback, &mut *tokens)?;
+        // Candidates of top rows: a count and a bound per warp slot, TOP_WCAP entries each.
+        let slots = if top { n * TOP_WARP_SLOTS } else { 1 };
+        let mut cand = self.output::<u64>(slots * TOP_WCAP, None)?;
+        let mut cand_n = self.output::<i32>(slots, None)?;
+        let mut cand_bound = self.output::<u32>(slots, None)?;
+        if top {
+            // SAFETY: the caller checked the logits size; the scratch holds rows × chunks
+            // partials, rows × chunks × TOP_WARP_SLOTS candidate slots and one counter, max
+            // and fallback per row, as the kernel indexes them.
+            launch!(unsafe self, sample_fast_top, cfg; logits, &vocab, &mut *params,
+                &mut part_val, &mut part_id, &mut cand, &mut cand_n, &mut cand_bound,
+                &mut counters, &mut row_max, &mut row_fallback, &mut *tokens)?;
+        } else {
+            // SAFETY: as above, without candidates.
+            launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, &*params,
+                &mut part_val, &mut part_id, &mut counters, &mut row_max, &mut row_fallback,
+                &mut *tokens)?;
+        }
         if !draw {
             return Ok(());
         }
         let mut part_mass = self.output::<f64>(n, None)?;
         let mut part_last = self.output::<i32>(n, None)?;
-        // SAFETY: as above.
-        launch!(unsafe self, sample_fast_draw, cfg; logits, &vocab, params, &row_max,
-            &row_fallback, &mut part_mass, &mut part_last, &mut counters, &mut *tokens)
+        if top {
+            // SAFETY: as above.
+            launch!(unsafe self, sample_fast_draw_top, cfg; logits, &vocab, &mut *params,
+                &mut row_max, &row_fallback, &mut part_mass, &mut part_last, &mut counters,
+                &mut *tokens, &cand, &cand_n, &cand_bound)
+        } else {
+            // SAFETY: as above.
+            launch!(unsafe self, sample_fast_draw, cfg; logits, &vocab, &mut *params,
+                &row_max, &row_fallback, &mut part_mass, &mut part_last, &mut counters,
+                &mut *tokens)
+        }
     }
 
     /// Processes, samples and (where asked) computes raw logprobs of logits rows
-    /// [batch.rows.len(), vocab], in one launch of one block per row for the general rows
-    /// and two split-row launches for the fast ones; the logits are not modified. `poison`
+    /// [batch.rows.len(), vocab]: one or two split-row launches for the fast rows, then one
+    /// launch of one block per row for the general ones (and the top rows the fast path
+    /// handed back); the logits are not modified. `poison`
     /// fills the outputs with NaN / -1 first (tests).
     pub fn sample_tokens_ex(
         &self,
@@ -313,6 +369,7 @@ impl CudaOps {
             return Ok(SampledBatch {
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
+                handed_back: 0,
             });
         }
         batch.validate(vocab)?;
@@ -326,20 +383,29 @@ impl CudaOps {
         let v = i32::try_from(vocab)
             .map_err(|_| anyhow::anyhow!("vocab = {vocab} does not fit the kernels' i32"))?;
         let mut rows_ex = batch.rows.to_vec();
-        let mut fast = 0usize;
-        let mut fast_draw = false;
+        let (mut fast, mut draw, mut top) = (0usize, false, false);
         for r in &mut rows_ex {
-            r.path = if r.takes_fast_path() { PATH_FAST } else { 0 };
+            let fits = !r.is_top() || vocab <= TOP_MAX_VOCAB;
+            r.path = if r.takes_fast_path() && fits {
+                PATH_FAST
+            } else {
+                0
+            };
             if r.path == PATH_FAST {
                 fast += 1;
-                fast_draw |= !r.is_greedy();
+                draw |= !r.is_greedy() && (!r.is_top() || r.may_need_total());
+                top |= r.is_top();
             }
         }
-        let params = self.upload_padded(&rows_ex, SampleRowEx::default())?;
+        let mut params = self.upload_padded(&rows_ex, SampleRowEx::default())?;
         let mut tokens = self.output(rows, poison.then_some(i32::MIN))?;
         let mut logprobs =
             self.output(batch.num_logprobs, poison.then(TokenLogprobsOut::poison))?;
-        if fast < rows {
+        if fast > 0 {
+            self.sample_fast(logits, v, rows, &mut params, draw, top, &mut tokens)?;
+        }
+        // After the fast path: its top rows that could not be exact come back with path 0.
+        if fast < rows || top {
             let entries = self.upload_padded(batch.entries, LogitEntry::default())?;
             let biases = self.upload_padded(batch.biases, 0.0f32)?;
             let mut values = self.output(batch.entries.len(), poison.then_some(f32::NAN))?;
@@ -348,9 +414,6 @@ impl CudaOps {
             // the kernel follows (entry and bias ranges, tokens < vocab, logprobs slots).
             launch!(unsafe self, sample_tokens_ex, cfg; logits, &v, &params, &entries, &biases,
                 &mut values, &mut tokens, &mut logprobs)?;
-        }
-        if fast > 0 {
-            self.sample_fast(logits, v, rows, &params, fast_draw, &mut tokens)?;
         }
         let tokens = self
             .stream
@@ -363,9 +426,21 @@ impl CudaOps {
         } else {
             Vec::new()
         };
+        let handed_back = if poison && top {
+            let after = self
+                .stream
+                .clone_dtoh(&params)
+                .map_err(|e| driver_error("copying sampling rows from the GPU", e))?;
+            (rows_ex.iter().zip(&after))
+                .filter(|(before, after)| before.path == PATH_FAST && after.path != PATH_FAST)
+                .count()
+        } else {
+            0
+        };
         Ok(SampledBatch {
             tokens: tokens[..rows].to_vec(),
             logprobs: logprobs[..batch.num_logprobs].to_vec(),
+            handed_back,
         })
     }
 }
@@ -426,7 +501,7 @@ mod tests {
     }
 
     #[test]
-    fn fast_path_takes_plain_greedy_and_temperature_rows_only() {
+    fn fast_path_takes_rows_without_processors_or_logprobs() {
         let base = |temperature, top_k, top_p, min_p| SampleRow {
             temperature,
             top_k,
@@ -435,9 +510,14 @@ mod tests {
             uniform: 0.5,
         };
         assert!(SampleRowEx::plain(base(0.0, 5, 0.5, 0.0)).takes_fast_path());
+        assert!(!SampleRowEx::plain(base(0.0, 5, 0.5, 0.0)).is_top());
         assert!(SampleRowEx::plain(base(0.7, 0, 1.0, 0.1)).takes_fast_path());
-        assert!(!SampleRowEx::plain(base(0.7, 5, 1.0, 0.0)).takes_fast_path());
-        assert!(!SampleRowEx::plain(base(0.7, 0, 0.9, 0.0)).takes_fast_path());
+        assert!(!SampleRowEx::plain(base(0.7, 0, 1.0, 0.1)).is_top());
+        let top_k = SampleRowEx::plain(base(0.7, 5, 1.0, 0.0));
+        assert!(top_k.takes_fast_path() && top_k.is_top() && !top_k.may_need_total());
+        let top_p = SampleRowEx::plain(base(0.7, 0, 0.9, 0.0));
+        assert!(top_p.takes_fast_path() && top_p.is_top() && top_p.may_need_total());
+        assert!(!SampleRowEx::plain(base(0.7, 0, f32::NAN, 0.0)).is_top());
         let mut lp = SampleRowEx::plain(base(0.0, 0, 1.0, 0.0));
         lp.logprobs = 0;
         assert!(!lp.takes_fast_path());

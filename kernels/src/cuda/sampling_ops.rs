@@ -416,7 +416,7 @@ impl CudaOps {
     ) -> Result<()> {
         let chunks = (vocab as usize).div_ceil(FAST_CHUNK);
         ensure!(
-            chunks <= 65_535 && rows <= 65_535,
+            chunks <= 65_535 && rows <= i32::MAX as usize && (!top || rows <= 65_535),
             "sampling: {rows} rows of {vocab} tokens exceed the fast path's grid"
         );
         // Top batches: (chunk, row), so that a row's blocks run together (sampling_fast.cu's

@@ -13,7 +13,11 @@
 //    fallback and max_y of temperature rows);
 // 2. `sample_fast_draw` (temperature rows): chunk mass of the kept tokens → the chunk the
 //    target u·total falls in → that chunk walked in id order by its last block.
-// Rows with `path != PATH_FAST` are left to `sample_tokens_ex`, and the reverse.
+// Batches with top-k / top-p rows use `sample_fast_top` and `sample_fast_draw_top`
+// instead, the same work plus those rows' candidates and merge (below); the second
+// launch only when some row needs it.
+// Rows with `path != PATH_FAST` are left to `sample_tokens_ex` (launched after these, so
+// it also samples the top rows handed back), and the reverse.
 
 #define FAST_THREADS 256
 #define FAST_CHUNK 8192

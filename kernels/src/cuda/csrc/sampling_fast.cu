@@ -182,7 +182,8 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
 // and the draw as worker/src/sampler.rs does, f64 sums in the CPU's order. That is exact
 // whenever the kept set lies in the region: top-k with k <= the region's size, min-p
 // cutting inside it, or top-p reached inside it. Top-p over a min-p set that leaves the
-// region needs the row's total mass: `sample_fast_draw_top` sums it and merges again.
+// region needs the row's total mass: bounds of it decide the cut when they agree (a
+// peaked row), else `sample_fast_draw_top` sums it and merges again.
 // Anything else (flat rows, ties past the capacities) goes to `sample_tokens_ex`
 // (path set to 0), never to an approximation.
 
@@ -397,8 +398,8 @@ __device__ __forceinline__ int gather_region(const unsigned long long* cand, con
 
 // The row's token from its candidates, or why not (TOP_TOTAL, TOP_GENERAL). `total`: the
 // row's kept mass (sample_fast_draw_top), < 0 when not known yet. The whole block.
-__device__ __forceinline__ int top_merge(int row, int chunks, const SampleRow& p, float max_y,
-                                         int fallback, double total,
+__device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const SampleRow& p,
+                                         float max_y, int fallback, double total,
                                          const unsigned long long* cand, const int* cand_n,
                                          const unsigned int* cand_bound) {
     __shared__ unsigned long long sorted[TOP_MERGE];
@@ -424,9 +425,13 @@ __device__ __forceinline__ int top_merge(int row, int chunks, const SampleRow& p
     const int n = next_pow2(c);
     for (int i = c + threadIdx.x; i < n; i += blockDim.x) sorted[i] = ~0ull;
     block_sort(sorted, n);
-    for (int i = threadIdx.x; i < c; i += blockDim.x)
+    double mine = 0.0;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
         weight[i] = top_weight(value_key_y(sorted[i]), max_y);
-    __syncthreads();
+        mine += weight[i];
+    }
+    // The region's mass, in any order: only a bound of the row's (below).
+    const double region_mass = block_total(mine);
 
     // Which prefix of `sorted` is S (min-p, then top-k), or the top-p cut when S leaves the
     // region; m: how many of `sorted` to order by id.
@@ -457,7 +462,23 @@ __device__ __forceinline__ int top_merge(int row, int chunks, const SampleRow& p
         if (decision == 0 && s >= 0) {
             m = s;
         } else if (decision == 0 && total < 0.0) {
-            decision = TOP_TOTAL;
+            // Top-p over the whole min-p set (every region token is in it) without its
+            // mass: it lies between the region's and that plus every other token at the
+            // bound's weight (1e-9: far above the f64 rounding of either sum). The cut
+            // grows with the mass, so where both bounds give the same cut, so does the
+            // CPU's mass; otherwise sample_fast_draw_top sums the row.
+            const double lo = region_mass * (1.0 - 1e-9);
+            const double hi =
+                (region_mass + (double)(vocab - c) * top_weight(lim, max_y)) * (1.0 + 1e-9);
+            const double t_lo = (double)p.top_p * lo, t_hi = (double)p.top_p * hi;
+            double mass = 0.0;
+            q = 0;
+            while (q < c) {
+                mass += weight[q++];
+                if (mass >= t_lo) break;
+            }
+            if (mass >= t_lo && mass >= t_hi) m = q;
+            else decision = TOP_TOTAL;
         } else if (decision == 0) {
             // Top-p over the whole min-p set (every region token is in it): the cut must
             // fall inside the region.
@@ -589,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
                                  out_tokens);
     __syncthreads();
     if (!top || max_y_s == NEG_INF) return;
-    const int outcome = top_merge(row, chunks, p, max_y_s, row_fallback[row], -1.0, cand, cand_n,
+    const int outcome = top_merge(row, chunks, vocab, p, max_y_s, row_fallback[row], -1.0, cand, cand_n,
                                   cand_bound);
     top_finish(row, outcome, params, row_max, out_tokens);
 }
@@ -652,7 +673,7 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
                 total_s = total;
             }
             __syncthreads();
-            const int outcome = top_merge(row, chunks, p, max_y, row_fallback[row], total_s,
+            const int outcome = top_merge(row, chunks, vocab, p, max_y, row_fallback[row], total_s,
                                           cand, cand_n, cand_bound);
             top_finish(row, outcome == TOP_TOTAL ? TOP_GENERAL : outcome, params, row_max_out,
                        out_tokens);

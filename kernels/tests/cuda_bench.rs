@@ -408,10 +408,16 @@ fn sampling(dev: &CudaDevice, ops: &CudaOps) {
         let rows = vec![row; SEQS];
         let batch = SamplingBatch::plain(&rows);
         let x = if peak { &peaked } else { &logits };
+        // One checked call first: how many rows the fast path handed back.
+        let back = ops.sample_tokens_ex(x, VOCAB, &batch, true).unwrap();
         let s = time(dev, 20, || {
             ops.sample_tokens_ex(x, VOCAB, &batch, false).unwrap();
         });
         report(&format!("sample_tokens_ex {name} {SEQS}x{VOCAB}"), s, bytes);
+        println!(
+            "BENCH sampling   {name}: {} of {SEQS} rows handed to the general kernel",
+            back.handed_back
+        );
     }
 }
 

@@ -365,6 +365,8 @@ __device__ __forceinline__ int first_false(int lo, int hi, P holds) {
 // slot, one candidate a lane, TOP_BATCH slots' loads in flight; returns the count (which
 // may exceed TOP_MERGE: only the first TOP_MERGE are stored).
 #define TOP_BATCH 8
+// Regions up to this size are sorted whole; larger ones of top-k rows are cut first.
+#define TOP_SORT_ALL 256
 __device__ __forceinline__ int gather_region(const unsigned long long* cand, const int* cand_n,
                                              long long base, int slots, float inv_t, float lim,
                                              unsigned long long* sorted) {
@@ -396,6 +398,52 @@ __device__ __forceinline__ int gather_region(const unsigned long long* cand, con
     return count_s;
 }
 
+// Top-k rows: keeps, in place, only the region tokens whose y is at least the k-th
+// largest (a radix selection over the value keys' high words, one histogram bin a thread;
+// ties of either zero stay, as the CPU's top-k keeps them), so that the sort orders the
+// few hundred tokens top-k can keep, not thousands. `tmp`: TOP_MERGE scratch keys.
+// Returns how many are kept (>= k). The whole block; blockDim.x == 256.
+__device__ __forceinline__ int keep_top_k(unsigned long long* sorted, int c, int k,
+                                          unsigned long long* tmp) {
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int digit_s;
+    __shared__ int remaining_s, kept_s;
+    unsigned int prefix = 0, mask = 0;
+    int remaining = k;  // the k-th smallest key (best first) among those under `prefix`
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        hist[threadIdx.x] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < c; i += blockDim.x) {
+            const unsigned int key = (unsigned int)(sorted[i] >> 32);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        const int h = (int)hist[threadIdx.x];
+        int total;
+        const int before = block_exclusive_scan(h, &total);
+        if (before < remaining && remaining <= before + h) {
+            digit_s = threadIdx.x;
+            remaining_s = remaining - before;
+        }
+        __syncthreads();
+        prefix |= digit_s << shift;
+        mask |= 255u << shift;
+        remaining = remaining_s;
+    }
+    const float thr = key_value(~prefix);
+    if (threadIdx.x == 0) kept_s = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        const unsigned long long e = sorted[i];
+        if (value_key_y(e) >= thr) tmp[atomicAdd(&kept_s, 1)] = e;
+    }
+    __syncthreads();
+    const int kept = kept_s;
+    for (int i = threadIdx.x; i < kept; i += blockDim.x) sorted[i] = tmp[i];
+    __syncthreads();
+    return kept;
+}
+
 // The row's token from its candidates, or why not (TOP_TOTAL, TOP_GENERAL). `total`: the
 // row's kept mass (sample_fast_draw_top), < 0 when not known yet. The whole block.
 __device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const SampleRow& p,
@@ -420,8 +468,12 @@ __device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const S
     const float lim = bound_s == BOUND_ALL
                           ? NEG_INF
                           : sanitize(__fmul_rn(key_value(bound_s), inv_t));
-    const int c = gather_region(cand, cand_n, base, slots, inv_t, lim, sorted);
+    int c = gather_region(cand, cand_n, base, slots, inv_t, lim, sorted);
     if (c == 0 || c > TOP_MERGE) return TOP_GENERAL;
+    // Top-k keeps nothing below its k-th largest (min-p and top-p only cut more), so the
+    // rest of the region can go before the sort (`weight` is free until after it).
+    if (p.top_k > 0 && c > p.top_k && c > TOP_SORT_ALL)
+        c = keep_top_k(sorted, c, p.top_k, reinterpret_cast<unsigned long long*>(weight));
     const int n = next_pow2(c);
     for (int i = c + threadIdx.x; i < n; i += blockDim.x) sorted[i] = ~0ull;
     block_sort(sorted, n);

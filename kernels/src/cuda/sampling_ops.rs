@@ -328,6 +328,8 @@ impl ScratchBuffers {
 
     /// Copies `rows` (at most `self.rows`) to `params` through the pinned buffer.
     fn upload_rows(&mut self, ops: &CudaOps, rows: &[SampleRowEx]) -> Result<()> {
+        // No copy from the pinned buffer is in flight: each call ends waiting for the
+        // stream (`download_tokens`), and a failed call drops the buffers.
         let host = self
             .params_host
             .as_mut_slice()
@@ -343,6 +345,11 @@ impl ScratchBuffers {
         ops.stream
             .memcpy_dtoh(&self.tokens, &mut self.tokens_host)
             .map_err(|e| driver_error("copying sampled tokens from the GPU", e))?;
+        // The context does not track events (device.rs), so the pinned slice's own wait
+        // below waits for nothing: the copy is awaited here.
+        ops.stream
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the sampled tokens", e))?;
         let host = self
             .tokens_host
             .as_slice()

@@ -78,19 +78,23 @@ fn report(what: &str, seconds: f64, bytes: f64) {
     );
 }
 
-/// Random bf16 data (values in [-1, 1)), so no kernel runs on zeros.
-fn random(dev: &CudaDevice, n: usize, seed: u64) -> CudaSlice<u8> {
+/// Random values in [-1, 1).
+fn random_values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
-    let v: Vec<f32> = (0..n)
+    (0..n)
         .map(|_| {
             s = s
                 .wrapping_mul(6_364_136_223_846_793_005)
                 .wrapping_add(1_442_695_040_888_963_407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
-        .collect();
+        .collect()
+}
+
+/// Random bf16 data (values in [-1, 1)), so no kernel runs on zeros.
+fn random(dev: &CudaDevice, n: usize, seed: u64) -> CudaSlice<u8> {
     dev.stream
-        .clone_htod(&DType::BF16.encode(&v))
+        .clone_htod(&DType::BF16.encode(&random_values(n, seed)))
         .expect("upload")
 }
 
@@ -361,17 +365,38 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `sample_tokens_ex` over a decode batch of Qwen's vocabulary, the whole call (uploads,
-/// launches, read-back of the tokens). Greedy, temperature and min-p rows take the
-/// split-row fast path; top-k / top-p rows the one-block-per-row kernel. The floor is one
-/// read of the logits (78 MB: about 26 us at 3 TB/s).
+/// launches, read-back of the tokens). Every row takes the split-row fast path; top-k /
+/// top-p rows merge candidates, and hand a row to the one-block-per-row kernel when the
+/// merge cannot be exact: top-p alone over the flat random logits always does ("falls
+/// back"), so it is timed again over peaked logits (one row-specific spike of +12, as a
+/// model's confident row). The floor is one read of the logits (78 MB: about 26 us at
+/// 3 TB/s).
 fn sampling(dev: &CudaDevice, ops: &CudaOps) {
     let logits = random(dev, SEQS * VOCAB, 4);
+    let peaked = peaked(dev, 4);
     let bytes = (SEQS * VOCAB * 2) as f64;
-    for (name, temperature, top_k, top_p, min_p) in [
-        ("greedy", 0.0, -1, 1.0, 0.0),
-        ("temperature 0.6", 0.6, -1, 1.0, 0.0),
-        ("temperature 0.6 min-p 0.05", 0.6, -1, 1.0, 0.05),
-        ("t 0.6 top-k 20 top-p 0.95 (general)", 0.6, 20, 0.95, 0.0),
+    for (name, temperature, top_k, top_p, min_p, peak) in [
+        ("greedy", 0.0, -1, 1.0, 0.0, false),
+        ("temperature 0.6", 0.6, -1, 1.0, 0.0, false),
+        ("temperature 0.6 min-p 0.05", 0.6, -1, 1.0, 0.05, false),
+        ("t 0.6 top-k 20 top-p 0.95", 0.6, 20, 0.95, 0.0, false),
+        (
+            "t 0.6 top-p 0.9 (flat: falls back)",
+            0.6,
+            -1,
+            0.9,
+            0.0,
+            false,
+        ),
+        ("t 0.6 top-p 0.9 (peaked)", 0.6, -1, 0.9, 0.0, true),
+        (
+            "t 0.6 top-k 20 top-p 0.95 (peaked)",
+            0.6,
+            20,
+            0.95,
+            0.0,
+            true,
+        ),
     ] {
         let row = SampleRowEx::plain(SampleRow {
             temperature,
@@ -382,11 +407,29 @@ fn sampling(dev: &CudaDevice, ops: &CudaOps) {
         });
         let rows = vec![row; SEQS];
         let batch = SamplingBatch::plain(&rows);
+        let x = if peak { &peaked } else { &logits };
+        // One checked call first: how many rows the fast path handed back.
+        let back = ops.sample_tokens_ex(x, VOCAB, &batch, true).unwrap();
         let s = time(dev, 20, || {
-            ops.sample_tokens_ex(&logits, VOCAB, &batch, false).unwrap();
+            ops.sample_tokens_ex(x, VOCAB, &batch, false).unwrap();
         });
         report(&format!("sample_tokens_ex {name} {SEQS}x{VOCAB}"), s, bytes);
+        println!(
+            "BENCH sampling   {name}: {} of {SEQS} rows handed to the general kernel",
+            back.handed_back
+        );
     }
+}
+
+/// `random`'s logits with one spike of +12 per row (at a row-specific token).
+fn peaked(dev: &CudaDevice, seed: u64) -> CudaSlice<u8> {
+    let mut v = random_values(SEQS * VOCAB, seed);
+    for r in 0..SEQS {
+        v[r * VOCAB + (r * 7919) % VOCAB] = 12.0;
+    }
+    dev.stream
+        .clone_htod(&DType::BF16.encode(&v))
+        .expect("upload")
 }
 
 fn gemms(dev: &CudaDevice) {

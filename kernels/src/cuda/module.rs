@@ -47,6 +47,8 @@ pub struct Functions<F = CudaFunction> {
     pub sample_tokens_ex: F,
     pub sample_fast_max: F,
     pub sample_fast_draw: F,
+    pub sample_fast_top: F,
+    pub sample_fast_draw_top: F,
 }
 
 /// `each` of `items`, in order, as an array: a family of kernels instantiated for each
@@ -103,6 +105,8 @@ impl<F> Functions<F> {
             sample_tokens_ex: f("sample_tokens_ex")?,
             sample_fast_max: f("sample_fast_max")?,
             sample_fast_draw: f("sample_fast_draw")?,
+            sample_fast_top: f("sample_fast_top")?,
+            sample_fast_draw_top: f("sample_fast_draw_top")?,
         })
     }
 }

@@ -201,6 +201,8 @@ pub struct CudaOps {
     pub num_sms: usize,
     pub build_source: BuildSource,
     pub(crate) f: Functions,
+    /// The sampler's buffers, kept across steps (sampling_ops.rs).
+    pub(crate) sampling: super::sampling_ops::SamplingScratch,
     _module: Arc<CudaModule>,
 }
 
@@ -240,6 +242,7 @@ impl CudaOps {
             num_sms: dev.num_sms,
             build_source,
             f,
+            sampling: Default::default(),
             _module: module,
         })
     }

@@ -5,12 +5,16 @@
 //! ([`LogitEntry`], sorted by token), so only what a request's history implies is uploaded,
 //! and only the sampled tokens and the asked-for logprobs come back.
 //!
-//! Rows without entries or logprobs that are greedy or temperature (+ min-p) sampled take
-//! the fast path (sampling_fast.cu: each row split over many blocks, two launches); the
-//! rest take `sample_tokens_ex` (one block per row). Both give the CPU sampler's tokens.
+//! Rows without entries or logprobs take the fast path (sampling_fast.cu: each row split
+//! over many blocks, one or two launches; top-k / top-p rows merge per-chunk candidates
+//! exactly, or hand the row back when they cannot); the rest, and the rows handed back,
+//! take `sample_tokens_ex` (one block per row), launched after. Both give the CPU
+//! sampler's tokens.
+
+use std::sync::Mutex;
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PinnedHostSlice, ValidAsZeroBits};
 
 use super::device::driver_error;
 use super::ops::{launch, rows_cfg, CudaOps};
@@ -29,6 +33,13 @@ pub const PATH_FAST: i32 = 1;
 const FAST_CHUNK: usize = 8192;
 /// Threads of one block of the fast path (`FAST_THREADS` in sampling_fast.cu).
 const FAST_THREADS: u32 = 256;
+/// Candidate slots of one chunk of a top-k / top-p row: `FAST_WARPS` × `TOP_WCAP` in
+/// sampling_fast.cu.
+const TOP_WARP_SLOTS: usize = FAST_THREADS as usize / 32;
+const TOP_WCAP: usize = 32;
+/// Vocabularies whose top-k / top-p rows the fast path takes: its merge keys a token by
+/// 21 bits of id (`TOP_RANK_BITS` in sampling_fast.cu); larger ones use the general kernel.
+const TOP_MAX_VOCAB: usize = 1 << 21;
 
 /// One (row, token) the logits processors change (`LogitEntry` in sampling.cu).
 #[repr(C)]
@@ -82,19 +93,28 @@ pub struct SampleRowEx {
 }
 // SAFETY: repr(C) plain data, the layout of the CUDA struct.
 unsafe impl DeviceRepr for SampleRowEx {}
+// SAFETY: plain numbers; all zero bits is a valid row (the `Default` one but for the
+// repetition penalty and logprobs, which nothing reads from a padding row).
+unsafe impl ValidAsZeroBits for SampleRowEx {}
 
 impl SampleRowEx {
-    /// Whether the fast path samples this row: no logits-processor entries, no logprobs,
-    /// and greedy or a draw with at most min-p (top-k and top-p need the general kernel's
-    /// selection). The conditions are the kernels' own (`temperature < 1e-5`: greedy;
-    /// `top_k > 0` and `top_p < 1` switch those filters on).
+    /// Whether the fast path samples this row: no logits-processor entries and no
+    /// logprobs. Its top-k / top-p rows ([`Self::is_top`]) may still be handed to the
+    /// general kernel on the GPU, when their candidates cannot give the exact answer.
     pub fn takes_fast_path(&self) -> bool {
-        let b = &self.base;
-        // As the kernels test them: NaN compares false (a NaN top_p is off).
-        let top_p_on = b.top_p < 1.0;
-        self.entry_begin == self.entry_end
-            && self.logprobs < 0
-            && (self.is_greedy() || (b.top_k <= 0 && !top_p_on))
+        self.entry_begin == self.entry_end && self.logprobs < 0
+    }
+
+    /// A draw with top-k or top-p on, as the kernels decide it (`top_k > 0`, `top_p < 1`:
+    /// a NaN top_p is off).
+    pub fn is_top(&self) -> bool {
+        !self.is_greedy() && (self.base.top_k > 0 || self.base.top_p < 1.0)
+    }
+
+    /// A top row whose top-p may need the row's whole mass (no top-k to bound it), so the
+    /// fast path's second launch.
+    fn may_need_total(&self) -> bool {
+        self.is_top() && self.base.top_k <= 0
     }
 
     /// Greedy as the kernels decide it (`temperature < 1e-5`).
@@ -169,6 +189,9 @@ impl<'a> SamplingBatch<'a> {
 pub struct SampledBatch {
     pub tokens: Vec<i32>,
     pub logprobs: Vec<TokenLogprobsOut>,
+    /// Top-k / top-p rows the fast path handed to the general kernel (counted in `poison`
+    /// calls only, for tests: it costs a read-back).
+    pub handed_back: usize,
 }
 
 impl SamplingBatch<'_> {
@@ -222,6 +245,142 @@ impl SamplingBatch<'_> {
     }
 }
 
+/// The fast sampler's buffers, kept across calls and grown only when a batch needs more
+/// rows or chunks than any before, so that a step allocates nothing on the device: the
+/// rows go up in one copy from pinned memory and the tokens come back into pinned memory.
+/// Held by [`CudaOps`]; the lock makes concurrent calls wait for each other.
+#[derive(Default)]
+pub struct SamplingScratch(Mutex<Option<ScratchBuffers>>);
+
+/// [`SamplingScratch`]'s buffers for up to `rows` rows of up to `chunks` fast-path chunks.
+struct ScratchBuffers {
+    rows: usize,
+    chunks: usize,
+    params_host: PinnedHostSlice<SampleRowEx>,
+    params: CudaSlice<SampleRowEx>,
+    tokens_host: PinnedHostSlice<i32>,
+    tokens: CudaSlice<i32>,
+    /// rows × chunks partials of the fast path's two launches.
+    part_val: CudaSlice<f32>,
+    part_id: CudaSlice<i32>,
+    part_mass: CudaSlice<f64>,
+    part_last: CudaSlice<i32>,
+    /// Candidates of top rows: TOP_WCAP entries, a count and a bound per warp slot (rows ×
+    /// chunks × TOP_WARP_SLOTS of them).
+    cand: CudaSlice<u64>,
+    cand_n: CudaSlice<i32>,
+    cand_bound: CudaSlice<u32>,
+    /// Per-row arrival counters: zero when allocated, and each launch's last block of a
+    /// row puts its back to zero.
+    counters: CudaSlice<u32>,
+    row_max: CudaSlice<f32>,
+    row_fallback: CudaSlice<i32>,
+    /// What `sample_tokens_ex` is given for a batch without entries or logprobs (one
+    /// element each, never read or written there).
+    no_entries: CudaSlice<LogitEntry>,
+    no_biases: CudaSlice<f32>,
+    no_values: CudaSlice<f32>,
+    no_logprobs: CudaSlice<TokenLogprobsOut>,
+}
+
+impl ScratchBuffers {
+    fn new(ops: &CudaOps, rows: usize, chunks: usize) -> Result<Self> {
+        let n = rows * chunks;
+        let slots = n * TOP_WARP_SLOTS;
+        let ctx = ops.stream.context();
+        let err = |e| driver_error("allocating the sampler's buffers", e);
+        // SAFETY (the `alloc`s and `alloc_pinned_with_flags`): each element is written
+        // before it is read: the rows and tokens by the host or the kernels of a call, the
+        // partials and candidates by a chunk's block before its row's last block reads them.
+        let alloc = |len: usize| unsafe { ops.stream.alloc::<f32>(len) }.map_err(err);
+        // Page-locked, not write-combined (the host reads the tokens back); zeroed here, so
+        // the host never sees uninitialised memory.
+        let mut params_host = unsafe { ctx.alloc_pinned_with_flags(rows, 0) }.map_err(err)?;
+        params_host
+            .as_mut_slice()
+            .map_err(err)?
+            .fill(SampleRowEx::default());
+        let mut tokens_host = unsafe { ctx.alloc_pinned_with_flags(rows, 0) }.map_err(err)?;
+        tokens_host.as_mut_slice().map_err(err)?.fill(0);
+        Ok(Self {
+            rows,
+            chunks,
+            params_host,
+            params: unsafe { ops.stream.alloc(rows) }.map_err(err)?,
+            tokens_host,
+            tokens: unsafe { ops.stream.alloc(rows) }.map_err(err)?,
+            part_val: alloc(n)?,
+            part_id: unsafe { ops.stream.alloc(n) }.map_err(err)?,
+            part_mass: unsafe { ops.stream.alloc(n) }.map_err(err)?,
+            part_last: unsafe { ops.stream.alloc(n) }.map_err(err)?,
+            cand: unsafe { ops.stream.alloc(slots * TOP_WCAP) }.map_err(err)?,
+            cand_n: unsafe { ops.stream.alloc(slots) }.map_err(err)?,
+            cand_bound: unsafe { ops.stream.alloc(slots) }.map_err(err)?,
+            counters: ops.stream.alloc_zeros(rows).map_err(err)?,
+            row_max: alloc(rows)?,
+            row_fallback: unsafe { ops.stream.alloc(rows) }.map_err(err)?,
+            no_entries: unsafe { ops.stream.alloc(1) }.map_err(err)?,
+            no_biases: alloc(1)?,
+            no_values: alloc(1)?,
+            no_logprobs: unsafe { ops.stream.alloc(1) }.map_err(err)?,
+        })
+    }
+
+    /// Copies `rows` (at most `self.rows`) to `params` through the pinned buffer.
+    fn upload_rows(&mut self, ops: &CudaOps, rows: &[SampleRowEx]) -> Result<()> {
+        // No copy from the pinned buffer is in flight: each call ends waiting for the
+        // stream (`download_tokens`), and a failed call drops the buffers.
+        let host = self
+            .params_host
+            .as_mut_slice()
+            .map_err(|e| driver_error("waiting for the sampler's row buffer", e))?;
+        host[..rows.len()].copy_from_slice(rows);
+        ops.stream
+            .memcpy_htod(&self.params_host, &mut self.params)
+            .map_err(|e| driver_error("copying sampling rows to the GPU", e))
+    }
+
+    /// The first `rows` tokens, through the pinned buffer (waits for the stream).
+    fn download_tokens(&mut self, ops: &CudaOps, rows: usize) -> Result<Vec<i32>> {
+        ops.stream
+            .memcpy_dtoh(&self.tokens, &mut self.tokens_host)
+            .map_err(|e| driver_error("copying sampled tokens from the GPU", e))?;
+        // The context does not track events (device.rs), so the pinned slice's own wait
+        // below waits for nothing: the copy is awaited here.
+        ops.stream
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the sampled tokens", e))?;
+        let host = self
+            .tokens_host
+            .as_slice()
+            .map_err(|e| driver_error("waiting for the sampled tokens", e))?;
+        Ok(host[..rows].to_vec())
+    }
+}
+
+impl SamplingScratch {
+    /// The buffers, grown to hold `rows` rows of `chunks` chunks.
+    fn buffers<'a>(
+        slot: &'a mut Option<ScratchBuffers>,
+        ops: &CudaOps,
+        rows: usize,
+        chunks: usize,
+    ) -> Result<&'a mut ScratchBuffers> {
+        let fits = slot
+            .as_ref()
+            .is_some_and(|b| b.rows >= rows && b.chunks >= chunks);
+        if !fits {
+            let (r, c) = slot
+                .as_ref()
+                .map_or((rows, chunks), |b| (b.rows.max(rows), b.chunks.max(chunks)));
+            *slot = None; // free the old buffers first
+            *slot = Some(ScratchBuffers::new(ops, r, c)?);
+        }
+        slot.as_mut()
+            .ok_or_else(|| anyhow::anyhow!("sampling: buffers missing after allocation"))
+    }
+}
+
 impl CudaOps {
     /// Copies `data` to the device (at least one element: empty buffers are not
     /// allocatable; the kernel reads none of a padding element).
@@ -249,58 +408,69 @@ impl CudaOps {
         }
     }
 
-    /// The fast path's two launches over the rows marked [`PATH_FAST`] in `params`
-    /// (`draw`: some of them are not greedy); the other rows' blocks return at once.
+    /// The fast path's launches over the rows marked [`PATH_FAST`] in `s.params` (`draw`:
+    /// a second launch is needed; `top`: some rows are top rows, whose kernels also merge
+    /// candidates and may set a row's path back to 0); the other rows' blocks return at
+    /// once.
     fn sample_fast(
         &self,
         logits: &CudaSlice<u8>,
         vocab: i32,
         rows: usize,
-        params: &CudaSlice<SampleRowEx>,
+        s: &mut ScratchBuffers,
         draw: bool,
-        tokens: &mut CudaSlice<i32>,
+        top: bool,
     ) -> Result<()> {
         let chunks = (vocab as usize).div_ceil(FAST_CHUNK);
         ensure!(
-            chunks <= 65_535 && rows <= i32::MAX as usize,
+            chunks <= 65_535 && rows <= i32::MAX as usize && (!top || rows <= 65_535),
             "sampling: {rows} rows of {vocab} tokens exceed the fast path's grid"
         );
-        let n = rows * chunks;
-        // Scratch left uninitialised: every element is written by a chunk's block before the
-        // row's last block reads it, and row_max / row_fallback by sample_fast_max before
-        // sample_fast_draw (same stream) reads them.
-        let mut part_val = self.output::<f32>(n, None)?;
-        let mut part_id = self.output::<i32>(n, None)?;
-        let mut row_max = self.output::<f32>(rows, None)?;
-        let mut row_fallback = self.output::<i32>(rows, None)?;
-        // The per-row arrival counters start at 0; each launch's last block puts its back.
-        let mut counters = self
-            .stream
-            .alloc_zeros::<u32>(rows)
-            .map_err(|e| driver_error("allocating sampling counters", e))?;
+        // Top batches: (chunk, row), so that a row's blocks run together (sampling_fast.cu's
+        // `fast_block`).
+        let grid_dim = if top {
+            (chunks as u32, rows as u32, 1)
+        } else {
+            (rows as u32, chunks as u32, 1)
+        };
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, chunks as u32, 1),
+            grid_dim,
             block_dim: (FAST_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the caller checked the logits size; the scratch holds rows × chunks
-        // partials and one counter, max and fallback per row, as the kernel indexes them.
-        launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, params, &mut part_val,
-            &mut part_id, &mut counters, &mut row_max, &mut row_fallback, &mut *tokens)?;
+        // SAFETY (all launches): the caller checked the logits size; the scratch holds at
+        // least rows × chunks partials, rows × chunks × TOP_WARP_SLOTS candidate slots and
+        // one counter, max and fallback per row, as the kernels index them.
+        if top {
+            launch!(unsafe self, sample_fast_top, cfg; logits, &vocab, &mut s.params,
+                &mut s.part_val, &mut s.part_id, &mut s.cand, &mut s.cand_n,
+                &mut s.cand_bound, &mut s.counters, &mut s.row_max, &mut s.row_fallback,
+                &mut s.tokens)?;
+        } else {
+            launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, &s.params,
+                &mut s.part_val, &mut s.part_id, &mut s.counters, &mut s.row_max,
+                &mut s.row_fallback, &mut s.tokens)?;
+        }
         if !draw {
             return Ok(());
         }
-        let mut part_mass = self.output::<f64>(n, None)?;
-        let mut part_last = self.output::<i32>(n, None)?;
-        // SAFETY: as above.
-        launch!(unsafe self, sample_fast_draw, cfg; logits, &vocab, params, &row_max,
-            &row_fallback, &mut part_mass, &mut part_last, &mut counters, &mut *tokens)
+        if top {
+            launch!(unsafe self, sample_fast_draw_top, cfg; logits, &vocab, &mut s.params,
+                &mut s.row_max, &s.row_fallback, &mut s.part_mass, &mut s.part_last,
+                &mut s.counters, &mut s.tokens, &s.cand, &s.cand_n, &s.cand_bound)
+        } else {
+            launch!(unsafe self, sample_fast_draw, cfg; logits, &vocab, &mut s.params,
+                &s.row_max, &s.row_fallback, &mut s.part_mass, &mut s.part_last,
+                &mut s.counters, &mut s.tokens)
+        }
     }
 
     /// Processes, samples and (where asked) computes raw logprobs of logits rows
-    /// [batch.rows.len(), vocab], in one launch of one block per row for the general rows
-    /// and two split-row launches for the fast ones; the logits are not modified. `poison`
-    /// fills the outputs with NaN / -1 first (tests).
+    /// [batch.rows.len(), vocab]: one or two split-row launches for the fast rows, then one
+    /// launch of one block per row for the general ones (and the top rows the fast path
+    /// handed back); the logits are not modified. `poison` fills the outputs with NaN / -1
+    /// first (tests). Rows, partials and tokens live in the [`SamplingScratch`]: a batch
+    /// without entries or logprobs allocates nothing on the device.
     pub fn sample_tokens_ex(
         &self,
         logits: &CudaSlice<u8>,
@@ -313,6 +483,7 @@ impl CudaOps {
             return Ok(SampledBatch {
                 tokens: Vec::new(),
                 logprobs: Vec::new(),
+                handed_back: 0,
             });
         }
         batch.validate(vocab)?;
@@ -323,50 +494,121 @@ impl CudaOps {
             logits.len(),
             self.dtype.name()
         );
+        let mut slot = self
+            .sampling
+            .0
+            .lock()
+            .map_err(|_| anyhow::anyhow!("sampling: a previous call panicked"))?;
+        let s = SamplingScratch::buffers(&mut slot, self, rows, vocab.div_ceil(FAST_CHUNK))?;
+        let out = self.sample_into(logits, vocab, batch, poison, s);
+        if out.is_err() {
+            // A failed launch may leave counters half counted: start afresh next time.
+            *slot = None;
+        }
+        out
+    }
+
+    /// `sample_tokens_ex` with its buffers.
+    fn sample_into(
+        &self,
+        logits: &CudaSlice<u8>,
+        vocab: usize,
+        batch: &SamplingBatch,
+        poison: bool,
+        s: &mut ScratchBuffers,
+    ) -> Result<SampledBatch> {
+        let rows = batch.rows.len();
         let v = i32::try_from(vocab)
             .map_err(|_| anyhow::anyhow!("vocab = {vocab} does not fit the kernels' i32"))?;
         let mut rows_ex = batch.rows.to_vec();
-        let mut fast = 0usize;
-        let mut fast_draw = false;
+        let (mut fast, mut draw, mut top) = (0usize, false, false);
         for r in &mut rows_ex {
-            r.path = if r.takes_fast_path() { PATH_FAST } else { 0 };
+            let fits = !r.is_top() || vocab <= TOP_MAX_VOCAB;
+            r.path = if r.takes_fast_path() && fits {
+                PATH_FAST
+            } else {
+                0
+            };
             if r.path == PATH_FAST {
                 fast += 1;
-                fast_draw |= !r.is_greedy();
+                draw |= !r.is_greedy() && (!r.is_top() || r.may_need_total());
+                top |= r.is_top();
             }
         }
-        let params = self.upload_padded(&rows_ex, SampleRowEx::default())?;
-        let mut tokens = self.output(rows, poison.then_some(i32::MIN))?;
-        let mut logprobs =
-            self.output(batch.num_logprobs, poison.then(TokenLogprobsOut::poison))?;
-        if fast < rows {
-            let entries = self.upload_padded(batch.entries, LogitEntry::default())?;
-            let biases = self.upload_padded(batch.biases, 0.0f32)?;
-            let mut values = self.output(batch.entries.len(), poison.then_some(f32::NAN))?;
-            let cfg = rows_cfg(rows, 1024);
-            // SAFETY: the logits size is checked above, and `validate` checked every index
-            // the kernel follows (entry and bias ranges, tokens < vocab, logprobs slots).
-            launch!(unsafe self, sample_tokens_ex, cfg; logits, &v, &params, &entries, &biases,
-                &mut values, &mut tokens, &mut logprobs)?;
+        s.upload_rows(self, &rows_ex)?;
+        if poison {
+            self.stream
+                .memcpy_htod(&vec![i32::MIN; s.rows], &mut s.tokens)
+                .map_err(|e| driver_error("poisoning sampled tokens", e))?;
         }
         if fast > 0 {
-            self.sample_fast(logits, v, rows, &params, fast_draw, &mut tokens)?;
+            self.sample_fast(logits, v, rows, s, draw, top)?;
         }
-        let tokens = self
-            .stream
-            .clone_dtoh(&tokens)
-            .map_err(|e| driver_error("copying sampled tokens from the GPU", e))?;
-        let logprobs = if batch.num_logprobs > 0 {
-            self.stream
-                .clone_dtoh(&logprobs)
-                .map_err(|e| driver_error("copying logprobs from the GPU", e))?
+        // After the fast path: its top rows that could not be exact come back with path 0.
+        let mut logprobs = None;
+        if fast < rows || top {
+            logprobs = self.sample_general(logits, v, batch, poison, s)?;
+        }
+        let tokens = s.download_tokens(self, rows)?;
+        let logprobs = match logprobs {
+            Some(l) => self
+                .stream
+                .clone_dtoh(&l)
+                .map_err(|e| driver_error("copying logprobs from the GPU", e))?,
+            None => Vec::new(),
+        };
+        let handed_back = if poison && top {
+            let after = self
+                .stream
+                .clone_dtoh(&s.params)
+                .map_err(|e| driver_error("copying sampling rows from the GPU", e))?;
+            (rows_ex.iter().zip(&after))
+                .filter(|(before, after)| before.path == PATH_FAST && after.path != PATH_FAST)
+                .count()
         } else {
-            Vec::new()
+            0
         };
         Ok(SampledBatch {
-            tokens: tokens[..rows].to_vec(),
-            logprobs: logprobs[..batch.num_logprobs].to_vec(),
+            tokens,
+            logprobs,
+            handed_back,
         })
+    }
+
+    /// The one-block-per-row launch over the rows whose path is 0 in `s.params`; returns
+    /// the logprobs buffer when the batch asks for logprobs.
+    fn sample_general(
+        &self,
+        logits: &CudaSlice<u8>,
+        v: i32,
+        batch: &SamplingBatch,
+        poison: bool,
+        s: &mut ScratchBuffers,
+    ) -> Result<Option<CudaSlice<TokenLogprobsOut>>> {
+        let uploaded;
+        let (entries, biases, mut values) = if batch.entries.is_empty() {
+            (&s.no_entries, &s.no_biases, None)
+        } else {
+            uploaded = (
+                self.upload_padded(batch.entries, LogitEntry::default())?,
+                self.upload_padded(batch.biases, 0.0f32)?,
+            );
+            let values = self.output(batch.entries.len(), poison.then_some(f32::NAN))?;
+            (&uploaded.0, &uploaded.1, Some(values))
+        };
+        let mut logprobs = match batch.num_logprobs {
+            0 => None,
+            n => Some(self.output(n, poison.then(TokenLogprobsOut::poison))?),
+        };
+        let cfg = rows_cfg(batch.rows.len(), 1024);
+        // SAFETY: the logits size is checked by the caller, and `validate` checked every
+        // index the kernel follows (entry and bias ranges, tokens < vocab, logprobs
+        // slots); rows without entries or logprobs read and write none of the one-element
+        // stand-ins.
+        launch!(unsafe self, sample_tokens_ex, cfg; logits, &v, &s.params, entries, biases,
+            values.as_mut().unwrap_or(&mut s.no_values), &mut s.tokens,
+            logprobs.as_mut().unwrap_or(&mut s.no_logprobs))?;
+        Ok(logprobs)
     }
 }
 
@@ -426,7 +668,7 @@ mod tests {
     }
 
     #[test]
-    fn fast_path_takes_plain_greedy_and_temperature_rows_only() {
+    fn fast_path_takes_rows_without_processors_or_logprobs() {
         let base = |temperature, top_k, top_p, min_p| SampleRow {
             temperature,
             top_k,
@@ -435,9 +677,14 @@ mod tests {
             uniform: 0.5,
         };
         assert!(SampleRowEx::plain(base(0.0, 5, 0.5, 0.0)).takes_fast_path());
+        assert!(!SampleRowEx::plain(base(0.0, 5, 0.5, 0.0)).is_top());
         assert!(SampleRowEx::plain(base(0.7, 0, 1.0, 0.1)).takes_fast_path());
-        assert!(!SampleRowEx::plain(base(0.7, 5, 1.0, 0.0)).takes_fast_path());
-        assert!(!SampleRowEx::plain(base(0.7, 0, 0.9, 0.0)).takes_fast_path());
+        assert!(!SampleRowEx::plain(base(0.7, 0, 1.0, 0.1)).is_top());
+        let top_k = SampleRowEx::plain(base(0.7, 5, 1.0, 0.0));
+        assert!(top_k.takes_fast_path() && top_k.is_top() && !top_k.may_need_total());
+        let top_p = SampleRowEx::plain(base(0.7, 0, 0.9, 0.0));
+        assert!(top_p.takes_fast_path() && top_p.is_top() && top_p.may_need_total());
+        assert!(!SampleRowEx::plain(base(0.7, 0, f32::NAN, 0.0)).is_top());
         let mut lp = SampleRowEx::plain(base(0.0, 0, 1.0, 0.0));
         lp.logprobs = 0;
         assert!(!lp.takes_fast_path());

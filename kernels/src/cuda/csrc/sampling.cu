@@ -22,8 +22,9 @@
 // 32-bit keys of the scaled logits: counts for top-k, f64 probability mass for top-p.
 // Ties at the top-p cut keep the lowest ids first, as the CPU's stable order does.
 //
-// Rows marked PATH_FAST (no entries, no logprobs; greedy or temperature + min-p) are
-// sampled by sampling_fast.cu instead; their blocks here return at once.
+// Rows marked PATH_FAST (no entries, no logprobs) are sampled by sampling_fast.cu instead;
+// their blocks here return at once. This kernel runs after the fast path, so the top-k /
+// top-p rows that path hands back (path set to 0) are sampled here.
 
 #define SAMPLE_THREADS 1024
 #define FLT_MAX_F 3.402823466e+38f

@@ -13,7 +13,11 @@
 //    fallback and max_y of temperature rows);
 // 2. `sample_fast_draw` (temperature rows): chunk mass of the kept tokens → the chunk the
 //    target u·total falls in → that chunk walked in id order by its last block.
-// Rows with `path != PATH_FAST` are left to `sample_tokens_ex`, and the reverse.
+// Batches with top-k / top-p rows use `sample_fast_top` and `sample_fast_draw_top`
+// instead, the same work plus those rows' candidates and merge (below); the second
+// launch only when some row needs it.
+// Rows with `path != PATH_FAST` are left to `sample_tokens_ex` (launched after these, so
+// it also samples the top rows handed back), and the reverse.
 
 #define FAST_THREADS 256
 #define FAST_CHUNK 8192
@@ -99,17 +103,12 @@ __device__ __forceinline__ float fast_scaled(float v, float inv_t) {
     return v == 0.f ? 0.f : v;
 }
 
-extern "C" __global__ void __launch_bounds__(FAST_THREADS)
-    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
-                    const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
-                    unsigned int* counters, float* row_max, int* row_fallback,
-                    int* __restrict__ out_tokens) {
-    const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
-    if (params[row].path != PATH_FAST) return;
-    const scalar_t* x = logits + (long long)row * vocab;
-    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
-    float best = NEG_INF;
-    int best_id = NO_TOKEN;
+// The argmax of one chunk: each thread's first maximum in id order, then the block's
+// (every thread gets it).
+__device__ __forceinline__ void chunk_argmax(const scalar_t* x, int lo, int hi, float& best,
+                                             int& best_id) {
+    best = NEG_INF;
+    best_id = NO_TOKEN;
     for_chunk(x, lo, hi, [&](int t, float raw) {
         const float v = sanitize(raw);
         if (v > best || best_id == NO_TOKEN) {
@@ -118,13 +117,14 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
         }
     });
     block_argmax(best, best_id, NO_TOKEN);
-    const long long slot = (long long)row * chunks + chunk;
-    if (threadIdx.x == 0) {
-        part_val[slot] = best;
-        part_id[slot] = best_id;
-    }
-    if (!last_block_of_row(&counters[row], chunks)) return;
-    if (threadIdx.x != 0) return;
+}
+
+// Thread 0 of a row's last block: the row's argmax from its chunks' partials; writes the
+// greedy token, or the draw's fallback and max_y (NEG_INF: the token is written, nothing
+// left to draw). Returns max_y.
+__device__ float finish_row_max(int row, int chunks, const float* part_val, const int* part_id,
+                                const SampleRow& p, float* row_max, int* row_fallback,
+                                int* out_tokens) {
     // Chunks in id order, each its first maximum: the strict > keeps the row's first.
     const volatile float* pv = part_val + (long long)row * chunks;
     const volatile int* pi = part_id + (long long)row * chunks;
@@ -136,16 +136,535 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
             id = pi[c];
         }
     }
-    const SampleRow p = params[row].base;
     row_fallback[row] = id;
     if (p.temperature < 1e-5f) {
         out_tokens[row] = id;
         row_max[row] = NEG_INF;
-        return;
+        return NEG_INF;
     }
     const float max_y = fast_scaled(m, 1.f / p.temperature);
     row_max[row] = max_y;
     if (max_y == NEG_INF) out_tokens[row] = id;  // nothing finite: the argmax, as the CPU
+    return max_y;
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_THREADS)
+    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
+                    const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
+                    unsigned int* counters, float* row_max, int* row_fallback,
+                    int* __restrict__ out_tokens) {
+    const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+    if (params[row].path != PATH_FAST) return;
+    const scalar_t* x = logits + (long long)row * vocab;
+    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
+    float best;
+    int best_id;
+    chunk_argmax(x, lo, hi, best, best_id);
+    const long long slot = (long long)row * chunks + chunk;
+    if (threadIdx.x == 0) {
+        part_val[slot] = best;
+        part_id[slot] = best_id;
+    }
+    if (!last_block_of_row(&counters[row], chunks)) return;
+    if (threadIdx.x != 0) return;
+    finish_row_max(row, chunks, part_val, part_id, params[row].base, row_max, row_fallback,
+                   out_tokens);
+}
+
+// ---- Top-k / top-p rows (`is_top_row`): candidates, then an exact merge per row. ----
+//
+// In `sample_fast_top` each warp keeps the largest of its 1,024 tokens (up to TOP_WCAP,
+// every token at or above a threshold, so ties are never split) and records a bound:
+// every token of the warp whose total-order key is >= the bound is a candidate. Above the
+// row's largest bound (`lim` once scaled) the candidates are therefore complete: the
+// "region", an upper set of the row. The row's last block sorts the region (best first,
+// ties to the lowest id: the CPU's total_cmp order) and applies min-p, top-k and top-p
+// and the draw as worker/src/sampler.rs does, f64 sums in the CPU's order. That is exact
+// whenever the kept set lies in the region: top-k with k <= the region's size, min-p
+// cutting inside it, or top-p reached inside it. Top-p over a min-p set that leaves the
+// region needs the row's total mass: bounds of it decide the cut when they agree (a
+// peaked row), else `sample_fast_draw_top` sums it and merges again.
+// Anything else (flat rows, ties past the capacities) goes to `sample_tokens_ex`
+// (path set to 0), never to an approximation.
+
+#define FAST_WARPS (FAST_THREADS / 32)
+#define FAST_ELEMS (FAST_CHUNK / FAST_THREADS)  // tokens a thread holds in registers
+#define TOP_J 16                                // lanes whose maxima set a warp's threshold
+#define TOP_WCAP 32                             // candidates a warp may keep
+#define TOP_MERGE 2048                          // region tokens a row's merge may sort
+// A position in the merge (< TOP_MERGE); the ids of top rows' tokens take the other 21
+// bits of a 32-bit key (TOP_MAX_VOCAB in sampling_ops.rs).
+#define TOP_RANK_BITS 11
+// Blocks an SM the top kernels are compiled for: up to 85 registers, which they need
+// without spilling (ptxas's own choice, 64, spilled); 3 × 16 KB of loads in flight an SM.
+#define TOP_MIN_BLOCKS 3
+#define BOUND_ALL 0u                            // every finite token of the warp is kept
+// Outcomes of a merge besides a token (>= 0).
+#define TOP_TOTAL -1    // needs the row's total mass
+#define TOP_GENERAL -2  // cannot be exact here: sample_tokens_ex
+
+// Top batches lay their grid out as (chunk, row): a row's chunks are consecutive blocks,
+// so rows finish, and merge, while later rows still stream.
+template <bool TOP>
+__device__ __forceinline__ void fast_block(int& row, int& chunk, int& chunks) {
+    row = TOP ? blockIdx.y : blockIdx.x;
+    chunk = TOP ? blockIdx.x : blockIdx.y;
+    chunks = TOP ? gridDim.x : gridDim.y;
+}
+
+// A row the merge samples: a draw with top-k or top-p on (as the kernels test them).
+__device__ __forceinline__ bool is_top_row(const SampleRow& p) {
+    return !(p.temperature < 1e-5f) && (p.top_k > 0 || p.top_p < 1.f);
+}
+
+// The float of an `order_key`.
+__device__ __forceinline__ float key_value(unsigned int k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The id of register element e of this thread (`load_chunk`'s layout).
+__device__ __forceinline__ int elem_id(bool full, int lo, int e) {
+    return full ? lo + ((e / FAST_VEC) * FAST_THREADS + (int)threadIdx.x) * FAST_VEC + e % FAST_VEC
+                : lo + (int)threadIdx.x + e * FAST_THREADS;
+}
+
+// This thread's tokens of [lo, hi), sanitised, in registers (-inf where absent), in
+// increasing id order; `for_chunk`'s loads. Returns whether the 16-byte layout was used.
+__device__ __forceinline__ bool load_chunk(const scalar_t* __restrict__ x, int lo, int hi,
+                                           float (&v)[FAST_ELEMS]) {
+    constexpr int PER = FAST_CHUNK / FAST_VEC / FAST_THREADS;
+    const bool aligned = (((unsigned long long)(x + lo)) & 15ull) == 0;
+    const bool full = aligned && hi - lo == FAST_CHUNK && blockDim.x == FAST_THREADS;
+    if (full) {
+        uint4 raw[PER];
+#pragma unroll
+        for (int k = 0; k < PER; ++k)
+            raw[k] = ((const uint4*)(x + lo))[k * FAST_THREADS + threadIdx.x];
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const scalar_t* r = (const scalar_t*)&raw[k];
+#pragma unroll
+            for (int j = 0; j < FAST_VEC; ++j) v[k * FAST_VEC + j] = sanitize(to_f32(r[j]));
+        }
+        return true;
+    }
+#pragma unroll
+    for (int e = 0; e < FAST_ELEMS; ++e) {
+        const int t = lo + (int)threadIdx.x + e * FAST_THREADS;
+        v[e] = t < hi ? sanitize(to_f32(x[t])) : NEG_INF;
+    }
+    return false;
+}
+
+// One warp's candidates into `slot`: every finite token >= the J-th largest lane maximum
+// for the largest J in 16, 8, 4, 2, 1 whose tokens fit TOP_WCAP; none, with a bound above
+// the warp's maximum, when even its maximum is tied more often than that.
+__device__ __forceinline__ void warp_candidates(const float (&v)[FAST_ELEMS], bool full, int lo, long long slot,
+                                unsigned long long* cand, int* cand_n,
+                                unsigned int* cand_bound) {
+    const int lane = threadIdx.x & 31;
+    float lane_max = NEG_INF;
+#pragma unroll
+    for (int e = 0; e < FAST_ELEMS; ++e) lane_max = fmaxf(lane_max, v[e]);
+    // kth[i]: the key of the 2^i-th largest lane maximum (0 marks a removed lane; every
+    // real key is larger, the maxima are never NaN).
+    unsigned int key = order_key(lane_max), kth[5];
+#pragma unroll
+    for (int j = 1; j <= TOP_J; ++j) {
+        const unsigned int m = __reduce_max_sync(0xffffffffu, key);
+        if ((j & (j - 1)) == 0) kth[__popc(j - 1)] = m;
+        const unsigned int holders = __ballot_sync(0xffffffffu, key == m);
+        if (lane == __ffs(holders) - 1) key = 0;
+    }
+    float t = NEG_INF;
+    int count = 0, level = 4;
+    for (; level >= 0; --level) {
+        t = key_value(kth[level]);
+        int n = 0;
+#pragma unroll
+        for (int e = 0; e < FAST_ELEMS; ++e) n += (v[e] >= t && v[e] > NEG_INF) ? 1 : 0;
+        count = __reduce_add_sync(0xffffffffu, n);
+        if (count <= TOP_WCAP) break;
+    }
+    if (level < 0) {  // the maximum alone overflows: nothing kept, complete above it
+        if (lane == 0) {
+            cand_n[slot] = 0;
+            cand_bound[slot] = kth[0] + 1;
+        }
+        return;
+    }
+    int n = 0;
+#pragma unroll
+    for (int e = 0; e < FAST_ELEMS; ++e) n += (v[e] >= t && v[e] > NEG_INF) ? 1 : 0;
+    int pos = warp_inclusive_scan(n) - n;
+    unsigned long long* out = cand + slot * TOP_WCAP;
+#pragma unroll
+    for (int e = 0; e < FAST_ELEMS; ++e) {
+        if (v[e] >= t && v[e] > NEG_INF)
+            out[pos++] = ((unsigned long long)elem_id(full, lo, e) << 32) | __float_as_uint(v[e]);
+    }
+    if (lane == 0) {
+        cand_n[slot] = count;
+        // A -inf threshold: fewer than J lanes hold a finite token, all of them kept.
+        cand_bound[slot] = t == NEG_INF ? BOUND_ALL : order_key(t);
+    }
+}
+
+// Sorts a[0..n) ascending, n a power of two (bitonic; the whole block).
+template <typename T>
+__device__ void block_sort(T* a, int n) {
+    __syncthreads();
+    for (int k = 2; k <= n; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                const int l = i ^ j;
+                if (l > i) {
+                    const T ai = a[i], al = a[l];
+                    if ((ai > al) == ((i & k) == 0)) {
+                        a[i] = al;
+                        a[l] = ai;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// Sort key of a region token: best first by the CPU's total_cmp of y, ties to the lowest
+// id.
+__device__ __forceinline__ unsigned long long value_key(float y, int id) {
+    return ((unsigned long long)(~order_key(y)) << 32) | (unsigned int)id;
+}
+__device__ __forceinline__ float value_key_y(unsigned long long k) {
+    return key_value(~(unsigned int)(k >> 32));
+}
+// The CPU's weight: exp of the f32 difference, in f64.
+__device__ __forceinline__ double top_weight(float y, float max_y) {
+    return exp((double)__fsub_rn(y, max_y));
+}
+
+__device__ __forceinline__ int next_pow2(int n) {
+    int p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+
+// The first i in [lo, hi) where `holds` (true, then false) is false.
+template <typename P>
+__device__ __forceinline__ int first_false(int lo, int hi, P holds) {
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (holds(mid)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// The region of a row into `sorted` (unsorted yet): its candidates with y > lim. A warp a
+// slot, one candidate a lane, TOP_BATCH slots' loads in flight; returns the count (which
+// may exceed TOP_MERGE: only the first TOP_MERGE are stored).
+#define TOP_BATCH 8
+// Regions up to this size are sorted whole; larger ones of top-k rows are cut first.
+#define TOP_SORT_ALL 256
+__device__ __forceinline__ int gather_region(const unsigned long long* cand, const int* cand_n,
+                                             long long base, int slots, float inv_t, float lim,
+                                             unsigned long long* sorted) {
+    __shared__ int count_s;
+    if (threadIdx.x == 0) count_s = 0;
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int s0 = warp * TOP_BATCH; s0 < slots; s0 += warps * TOP_BATCH) {
+        int n[TOP_BATCH];
+        unsigned long long e[TOP_BATCH];
+#pragma unroll
+        for (int k = 0; k < TOP_BATCH; ++k) n[k] = s0 + k < slots ? __ldcg(cand_n + base + s0 + k) : 0;
+#pragma unroll
+        for (int k = 0; k < TOP_BATCH; ++k)
+            e[k] = lane < n[k] ? __ldcg(cand + (base + s0 + k) * TOP_WCAP + lane) : 0ull;
+#pragma unroll
+        for (int k = 0; k < TOP_BATCH; ++k) {
+            const float y = sanitize(__fmul_rn(__uint_as_float((unsigned int)e[k]), inv_t));
+            const bool in = lane < n[k] && y > lim;
+            const unsigned int ballot = __ballot_sync(0xffffffffu, in);
+            if (ballot == 0) continue;
+            int at = 0;
+            if (lane == 0) at = atomicAdd(&count_s, __popc(ballot));
+            at = __shfl_sync(0xffffffffu, at, 0) + __popc(ballot & ((1u << lane) - 1u));
+            if (in && at < TOP_MERGE) sorted[at] = value_key(y, (int)(e[k] >> 32));
+        }
+    }
+    __syncthreads();
+    return count_s;
+}
+
+// Top-k rows: keeps, in place, only the region tokens whose y is at least the k-th
+// largest (a radix selection over the value keys' high words, one histogram bin a thread;
+// ties of either zero stay, as the CPU's top-k keeps them), so that the sort orders the
+// few hundred tokens top-k can keep, not thousands. `tmp`: TOP_MERGE scratch keys.
+// Returns how many are kept (>= k). The whole block; blockDim.x == 256.
+__device__ __forceinline__ int keep_top_k(unsigned long long* sorted, int c, int k,
+                                          unsigned long long* tmp) {
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned int digit_s;
+    __shared__ int remaining_s, kept_s;
+    unsigned int prefix = 0, mask = 0;
+    int remaining = k;  // the k-th smallest key (best first) among those under `prefix`
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        hist[threadIdx.x] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < c; i += blockDim.x) {
+            const unsigned int key = (unsigned int)(sorted[i] >> 32);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        const int h = (int)hist[threadIdx.x];
+        int total;
+        const int before = block_exclusive_scan(h, &total);
+        if (before < remaining && remaining <= before + h) {
+            digit_s = threadIdx.x;
+            remaining_s = remaining - before;
+        }
+        __syncthreads();
+        prefix |= digit_s << shift;
+        mask |= 255u << shift;
+        remaining = remaining_s;
+    }
+    const float thr = key_value(~prefix);
+    if (threadIdx.x == 0) kept_s = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        const unsigned long long e = sorted[i];
+        if (value_key_y(e) >= thr) tmp[atomicAdd(&kept_s, 1)] = e;
+    }
+    __syncthreads();
+    const int kept = kept_s;
+    for (int i = threadIdx.x; i < kept; i += blockDim.x) sorted[i] = tmp[i];
+    __syncthreads();
+    return kept;
+}
+
+// The row's token from its candidates, or why not (TOP_TOTAL, TOP_GENERAL). `total`: the
+// row's kept mass (sample_fast_draw_top), < 0 when not known yet. The whole block.
+__device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const SampleRow& p,
+                                         float max_y, int fallback, double total,
+                                         const unsigned long long* cand, const int* cand_n,
+                                         const unsigned int* cand_bound) {
+    __shared__ unsigned long long sorted[TOP_MERGE];
+    __shared__ double weight[TOP_MERGE];       // of sorted[i]
+    __shared__ unsigned int by_id[TOP_MERGE];  // id << TOP_RANK_BITS | i: S or K by id
+    __shared__ unsigned int bound_s;
+    __shared__ int decision_s, m_s, q_s, token_s;
+    const float inv_t = 1.f / p.temperature;
+    const int slots = chunks * FAST_WARPS;
+    const long long base = (long long)row * slots;
+    if (threadIdx.x == 0) bound_s = BOUND_ALL;
+    __syncthreads();
+    unsigned int b = BOUND_ALL;
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) b = max(b, __ldcg(cand_bound + base + s));
+    atomicMax(&bound_s, b);
+    __syncthreads();
+    // Every token with y > lim is a candidate (y = the CPU's scaled logit, -0 kept).
+    const float lim = bound_s == BOUND_ALL
+                          ? NEG_INF
+                          : sanitize(__fmul_rn(key_value(bound_s), inv_t));
+    int c = gather_region(cand, cand_n, base, slots, inv_t, lim, sorted);
+    if (c == 0 || c > TOP_MERGE) return TOP_GENERAL;
+    // Top-k keeps nothing below its k-th largest (min-p and top-p only cut more), so the
+    // rest of the region can go before the sort (`weight` is free until after it).
+    if (p.top_k > 0 && c > p.top_k && c > TOP_SORT_ALL)
+        c = keep_top_k(sorted, c, p.top_k, reinterpret_cast<unsigned long long*>(weight));
+    const int n = next_pow2(c);
+    for (int i = c + threadIdx.x; i < n; i += blockDim.x) sorted[i] = ~0ull;
+    block_sort(sorted, n);
+    double mine = 0.0;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        weight[i] = top_weight(value_key_y(sorted[i]), max_y);
+        mine += weight[i];
+    }
+    // The region's mass, in any order: only a bound of the row's (below).
+    const double region_mass = block_total(mine);
+
+    // Which prefix of `sorted` is S (min-p, then top-k), or the top-p cut when S leaves the
+    // region; m: how many of `sorted` to order by id.
+    if (threadIdx.x == 0) {
+        int decision = 0, m = 0, q = -1;  // decision 0: go on
+        const double min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
+        // The region's tokens that min-p keeps: a prefix, weights falling.
+        const int u = min_p > 0.0 ? first_false(0, c, [&](int i) { return weight[i] >= min_p; })
+                                  : c;
+        // The min-p set lies in the region: the region is the whole row, or min-p drops
+        // the bound itself (and so everything at or below it).
+        const bool u_inside =
+            lim == NEG_INF || (min_p > 0.0 && top_weight(lim, max_y) < min_p);
+        int s = -1;
+        if (value_key_y(sorted[0]) != max_y) {
+            decision = TOP_GENERAL;  // the row's maximum is not in the region
+        } else if (p.top_k > 0 && c >= p.top_k) {
+            // The k-th largest is in the region, so is every token >= it (ties stay).
+            const float thr = value_key_y(sorted[p.top_k - 1]);
+            const int sk =
+                first_false(p.top_k, c, [&](int i) { return value_key_y(sorted[i]) >= thr; });
+            s = min(sk, u);
+        } else if (u_inside) {
+            s = u;  // no more kept tokens than k: top-k keeps them all
+        } else if (p.top_k > 0) {
+            decision = TOP_GENERAL;
+        }
+        if (decision == 0 && s >= 0) {
+            m = s;
+        } else if (decision == 0 && total < 0.0) {
+            // Top-p over the whole min-p set (every region token is in it) without its
+            // mass: it lies between the region's and that plus every other token at the
+            // bound's weight (1e-9: far above the f64 rounding of either sum). The cut
+            // grows with the mass, so where both bounds give the same cut, so does the
+            // CPU's mass; otherwise sample_fast_draw_top sums the row.
+            const double lo = region_mass * (1.0 - 1e-9);
+            const double hi =
+                (region_mass + (double)(vocab - c) * top_weight(lim, max_y)) * (1.0 + 1e-9);
+            const double t_lo = (double)p.top_p * lo, t_hi = (double)p.top_p * hi;
+            double mass = 0.0;
+            q = 0;
+            while (q < c) {
+                mass += weight[q++];
+                if (mass >= t_lo) break;
+            }
+            if (mass >= t_lo && mass >= t_hi) m = q;
+            else decision = TOP_TOTAL;
+        } else if (decision == 0) {
+            // Top-p over the whole min-p set (every region token is in it): the cut must
+            // fall inside the region.
+            const double target = (double)p.top_p * total;
+            double mass = 0.0;
+            q = 0;
+            while (q < c) {
+                mass += weight[q++];
+                if (mass >= target) break;
+            }
+            if (!(mass >= target)) decision = TOP_GENERAL;
+            m = q;
+        }
+        decision_s = decision;
+        m_s = m;
+        q_s = q;
+    }
+    __syncthreads();
+    if (decision_s != 0) return decision_s;
+    const int m = m_s;
+    const int nb = next_pow2(m);
+    for (int i = threadIdx.x; i < nb; i += blockDim.x)
+        by_id[i] = i < m ? ((unsigned int)sorted[i] << TOP_RANK_BITS) | (unsigned int)i : ~0u;
+    block_sort(by_id, nb);
+
+    if (threadIdx.x == 0) {
+        const unsigned int rank_mask = (1u << TOP_RANK_BITS) - 1u;
+        int q = q_s;
+        if (q < 0 && p.top_p < 1.f) {
+            // Top-p over S: its mass in id order (the CPU's sum), then the sorted walk.
+            double sum = 0.0;
+            for (int i = 0; i < m; ++i) sum += weight[by_id[i] & rank_mask];
+            const double target = (double)p.top_p * sum;
+            double mass = 0.0;
+            q = m;
+            for (int i = 0; i < m; ++i) {
+                mass += weight[i];
+                if (mass >= target) {
+                    q = i + 1;
+                    break;
+                }
+            }
+        } else if (q < 0) {
+            q = m;
+        }
+        // The kept tokens: the first q of `sorted`, drawn in id order as the CPU does.
+        double sum = 0.0;
+        for (int i = 0; i < m; ++i) {
+            const unsigned int r = by_id[i] & rank_mask;
+            if ((int)r < q) sum += weight[r];
+        }
+        int tok = fallback;
+        if (sum > 0.0 && sum < 1.0e308) {
+            const double target = p.uniform * sum;
+            double acc = 0.0;
+            int last = -1;
+            tok = -1;
+            for (int i = 0; i < m && tok < 0; ++i) {
+                const unsigned int r = by_id[i] & rank_mask;
+                if ((int)r >= q) continue;
+                const int id = (int)(by_id[i] >> TOP_RANK_BITS);
+                acc += weight[r];
+                if (weight[r] > 0.0) last = id;
+                if (acc > target) tok = id;
+            }
+            if (tok < 0) tok = last >= 0 ? last : fallback;  // rounding at the top
+        }
+        token_s = tok;
+    }
+    __syncthreads();
+    return token_s;
+}
+
+// Thread 0 records a merge's outcome: the token, or the row handed to sample_tokens_ex
+// (launched after the fast path); TOP_TOTAL leaves max_y for sample_fast_draw_top.
+__device__ __forceinline__ void top_finish(int row, int outcome, SampleRowEx* params, float* row_max,
+                           int* out_tokens) {
+    if (threadIdx.x != 0) return;
+    if (outcome >= 0) out_tokens[row] = outcome;
+    if (outcome == TOP_GENERAL) params[row].path = 0;
+    if (outcome != TOP_TOTAL) row_max[row] = NEG_INF;
+}
+
+// sample_fast_max for a batch with top rows: their chunks also record candidates, and
+// their last block merges them.
+extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
+    sample_fast_top(const scalar_t* __restrict__ logits, int vocab, SampleRowEx* params,
+                    float* part_val, int* part_id, unsigned long long* cand, int* cand_n,
+                    unsigned int* cand_bound, unsigned int* counters, float* row_max,
+                    int* row_fallback, int* __restrict__ out_tokens) {
+    int row, chunk, chunks;
+    fast_block<true>(row, chunk, chunks);
+    if (params[row].path != PATH_FAST) return;
+    const SampleRow p = params[row].base;
+    const bool top = is_top_row(p);
+    const scalar_t* x = logits + (long long)row * vocab;
+    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
+    float best;
+    int best_id;
+    if (top) {
+        float v[FAST_ELEMS];
+        const bool full = load_chunk(x, lo, hi, v);
+        best = NEG_INF;
+        best_id = NO_TOKEN;
+#pragma unroll
+        for (int e = 0; e < FAST_ELEMS; ++e) {
+            const int t = elem_id(full, lo, e);
+            if (t < hi && (v[e] > best || best_id == NO_TOKEN)) {
+                best = v[e];
+                best_id = t;
+            }
+        }
+        const long long slot =
+            ((long long)row * chunks + chunk) * FAST_WARPS + (threadIdx.x >> 5);
+        warp_candidates(v, full, lo, slot, cand, cand_n, cand_bound);
+        block_argmax(best, best_id, NO_TOKEN);
+    } else {
+        chunk_argmax(x, lo, hi, best, best_id);
+    }
+    const long long slot = (long long)row * chunks + chunk;
+    if (threadIdx.x == 0) {
+        part_val[slot] = best;
+        part_id[slot] = best_id;
+    }
+    if (!last_block_of_row(&counters[row], chunks)) return;
+    __shared__ float max_y_s;
+    if (threadIdx.x == 0)
+        max_y_s = finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback,
+                                 out_tokens);
+    __syncthreads();
+    if (!top || max_y_s == NEG_INF) return;
+    const int outcome = top_merge(row, chunks, vocab, p, max_y_s, row_fallback[row], -1.0, cand, cand_n,
+                                  cand_bound);
+    top_finish(row, outcome, params, row_max, out_tokens);
 }
 
 // The kept weight of one scaled logit (0: dropped), and whether it counts as kept.
@@ -157,12 +676,15 @@ __device__ __forceinline__ bool fast_weight(float raw, float inv_t, float max_y,
     return !(min_p > 0.0 && w < min_p);
 }
 
-extern "C" __global__ void __launch_bounds__(FAST_THREADS)
-    sample_fast_draw(const scalar_t* __restrict__ logits, int vocab,
-                     const SampleRowEx* __restrict__ params, const float* row_max,
-                     const int* row_fallback, double* part_mass, int* part_last,
-                     unsigned int* counters, int* __restrict__ out_tokens) {
-    const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+// The draw pass; TOP: top rows waiting for their total (TOP_TOTAL) are merged again.
+template <bool TOP>
+__device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, SampleRowEx* params,
+                          const float* row_max, const int* row_fallback, double* part_mass,
+                          int* part_last, unsigned int* counters, int* __restrict__ out_tokens,
+                          const unsigned long long* cand, const int* cand_n,
+                          const unsigned int* cand_bound, float* row_max_out) {
+    int row, chunk, chunks;
+    fast_block<TOP>(row, chunk, chunks);
     const SampleRow p = params[row].base;
     if (params[row].path != PATH_FAST || p.temperature < 1e-5f) return;
     const float max_y = row_max[row];
@@ -193,6 +715,23 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
         part_last[base + chunk] = chunk_last;
     }
     if (!last_block_of_row(&counters[row], chunks)) return;
+    if constexpr (TOP) {
+        if (is_top_row(p)) {
+            __shared__ double total_s;
+            if (threadIdx.x == 0) {
+                const volatile double* pm = part_mass + base;
+                double total = 0.0;
+                for (int c = 0; c < chunks; ++c) total += pm[c];
+                total_s = total;
+            }
+            __syncthreads();
+            const int outcome = top_merge(row, chunks, vocab, p, max_y, row_fallback[row], total_s,
+                                          cand, cand_n, cand_bound);
+            top_finish(row, outcome == TOP_TOTAL ? TOP_GENERAL : outcome, params, row_max_out,
+                       out_tokens);
+            return;
+        }
+    }
 
     // The row: total, the chunk holding the target, and the last kept token (the answer
     // when rounding leaves the target past every token).
@@ -270,4 +809,22 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     }
     __syncthreads();
     if (threadIdx.x == 0) out_tokens[row] = token_s;
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_THREADS)
+    sample_fast_draw(const scalar_t* __restrict__ logits, int vocab, SampleRowEx* params,
+                     const float* row_max, const int* row_fallback, double* part_mass,
+                     int* part_last, unsigned int* counters, int* __restrict__ out_tokens) {
+    fast_draw<false>(logits, vocab, params, row_max, row_fallback, part_mass, part_last,
+                     counters, out_tokens, nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
+    sample_fast_draw_top(const scalar_t* __restrict__ logits, int vocab, SampleRowEx* params,
+                         float* row_max, const int* row_fallback, double* part_mass,
+                         int* part_last, unsigned int* counters, int* __restrict__ out_tokens,
+                         const unsigned long long* cand, const int* cand_n,
+                         const unsigned int* cand_bound) {
+    fast_draw<true>(logits, vocab, params, row_max, row_fallback, part_mass, part_last,
+                    counters, out_tokens, cand, cand_n, cand_bound, row_max);
 }

@@ -1,8 +1,9 @@
 //! Sampling on the GPU for the CUDA runner, for every parameter the CPU sampler
 //! (`crate::sampler`) supports: greedy, temperature, top-k, top-p, min-p, repetition /
 //! frequency / presence penalties, logit_bias, min_tokens, seeded or unseeded draws, and
-//! raw logprobs. One launch of `sample_tokens_ex` per step; the logits never leave the
-//! device, only the tokens and the asked-for logprobs come back.
+//! raw logprobs. One `sample_tokens_ex` call per step (the split-row fast path and the
+//! one-block-per-row kernel, sampling_ops.rs); the logits never leave the device, only the
+//! tokens and the asked-for logprobs come back.
 //!
 //! The host turns each request's parameters and token history into a sparse list of the
 //! tokens whose logits the processors change ([`push_entries`]: O(history), sorted by

@@ -1,7 +1,9 @@
 //! The GPU sampler against the CPU sampler: plain rows, every parameter (penalties, bias,
-//! min_tokens, logprobs), the split-row fast path, and one step's sampling time.
+//! min_tokens, logprobs), the split-row fast path (its top-k / top-p merge included), and
+//! one step's sampling time.
 
 use super::*;
+use vllm_kernels::cuda::{SampleRowEx, SamplingBatch};
 
 /// Rows of logits with ties (values on a coarse grid), as bf16 produces them.
 fn sampler_rows(rows: usize, vocab: usize, seed: u64) -> Vec<f32> {
@@ -528,8 +530,8 @@ fn gpu_sampler_step_time() {
 /// The fast path (rows without processors or logprobs: greedy, temperature, min-p) vs the
 /// CPU sampler, exactly: seeded draws over coarse-grid rows (ties everywhere), rows with
 /// NaN and +inf, all -inf rows, a vocabulary whose bf16 rows are not 16-byte aligned
-/// (the scalar loads) and one with a short last chunk. General rows (top-p) sit in the
-/// same batch, so both kernels write their own rows.
+/// (the scalar loads) and one with a short last chunk. Top-p rows sit in the same batch
+/// (over these flat rows mostly handed to the general kernel), so both kernels write rows.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn gpu_fast_sampler_matches_cpu_sampler() {
@@ -560,7 +562,7 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
                         2 => (1.0, 0.05, 1.0),
                         3 => (1.7, 0.0, 1.0),
                         4 => (0.3, 0.2, 1.0),
-                        _ => (0.8, 0.0, 0.9), // the general kernel
+                        _ => (0.8, 0.0, 0.9), // top-p: mostly handed back
                     };
                     SamplingParams {
                         temperature,
@@ -599,4 +601,128 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
     }
     println!("SAMPLER-FAST-CHECK gpu vs cpu tokens agree {agree}/{total}");
     assert_eq!(agree, total, "the fast GPU sampler differs from the CPU");
+}
+
+/// Logits of the top-k / top-p check: coarse-grid rows (ties everywhere) where most rows
+/// get a few row-specific spikes (two of them tied), so that their top-p mass sits in a few
+/// tokens, as a model's does; every fifth row stays flat (top-p there leaves the
+/// candidates: handed back). Row 3: NaN and +inf; row 8: all -inf; row 13: spikes and
+/// -inf.
+fn top_logits(rows: usize, vocab: usize, seed: u64) -> Vec<f32> {
+    let mut logits = sampler_rows(rows, vocab, seed);
+    for r in 0..rows {
+        if r % 5 == 4 {
+            continue;
+        }
+        let row = &mut logits[r * vocab..(r + 1) * vocab];
+        for (i, v) in [14.0f32, 13.0, 13.0, 12.5, 12.0].into_iter().enumerate() {
+            row[(r * 7919 + i * 104_729) % vocab] = v;
+        }
+    }
+    for (i, v) in [
+        (1, f32::NAN),
+        (vocab - 3, f32::INFINITY),
+        (vocab / 2, f32::NAN),
+    ] {
+        logits[3 * vocab + i] = v;
+    }
+    logits[8 * vocab..9 * vocab].fill(f32::NEG_INFINITY);
+    for i in (0..vocab).step_by(3) {
+        logits[13 * vocab + i] = f32::NEG_INFINITY;
+    }
+    logits
+}
+
+/// The parameters of row `r` of the top-k / top-p check: k = 1, k over the candidates'
+/// capacity, p = 1, top-p alone (which needs the row's whole mass), min-p with each, and
+/// greedy and plain temperature rows in the same batch.
+fn top_params(r: usize) -> SamplingParams {
+    let (temperature, top_k, top_p, min_p) = match r % 12 {
+        0 => (0.6, 20, 0.95, 0.0),
+        1 => (1.0, 1, 1.0, 0.0),
+        2 => (0.8, 3000, 1.0, 0.0),
+        3 => (0.9, 50, 1.0, 0.0),
+        4 => (0.7, 0, 0.9, 0.0),
+        5 => (1.2, 0, 0.5, 0.02),
+        6 => (0.6, 40, 0.8, 0.01),
+        7 => (0.0, 20, 0.95, 0.0),
+        8 => (0.7, 0, 0.999, 0.0),
+        9 => (0.6, -1, 1.0, 0.0),
+        10 => (1.5, 3000, 0.97, 0.1),
+        _ => (0.6, 200, 0.0, 0.0),
+    };
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed: Some(7000 + r as u64),
+        ..Default::default()
+    }
+}
+
+/// Top-k / top-p rows on the fast path vs the CPU sampler, exactly, in bf16 and f32 over
+/// vocabularies of 1,000, 50,001 and 151,936: the merge's tokens where it is exact, the
+/// general kernel's where the fast path hands a row back. Prints how many rows were handed
+/// back; at least one top row must stay on the fast path in each batch.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn gpu_top_sampler_matches_cpu_sampler() {
+    if !gpu_present() {
+        return;
+    }
+    let (mut agree, mut total) = (0, 0);
+    for dtype in [DType::BF16, DType::F32] {
+        let b = CudaBackend::new(0, dtype).unwrap();
+        for vocab in [1000usize, 50_001, 151_936] {
+            let n = 120;
+            let logits = top_logits(n, vocab, 57 + vocab as u64);
+            let t = b.upload(&HostTensor::new(vec![n, vocab], logits)).unwrap();
+            let host = b.to_host(&t).unwrap().data;
+            let params: Vec<SamplingParams> = (0..n).map(top_params).collect();
+            let reqs: Vec<SamplingRequest> = params
+                .iter()
+                .map(|p| SamplingRequest {
+                    params: p,
+                    prompt_token_ids: &[],
+                    output_token_ids: &[],
+                    eos_token_ids: &[],
+                })
+                .collect();
+            let rows: Vec<SampleRowEx> = params
+                .iter()
+                .map(|p| SampleRowEx::plain(sampling::row_params(&b, p, 0, 0)))
+                .collect();
+            let top_rows = rows.iter().filter(|r| r.is_top()).count();
+            let gpu = b
+                .ops
+                .sample_tokens_ex(&t.buf, vocab, &SamplingBatch::plain(&rows), true)
+                .unwrap();
+            let cpu = Sampler::new(0).sample(&mut host.clone(), vocab, &reqs);
+            println!(
+                "SAMPLER-TOP {} vocab {vocab}: {} of {top_rows} top rows handed back",
+                dtype.name(),
+                gpu.handed_back
+            );
+            assert!(gpu.handed_back < top_rows, "every top row was handed back");
+            for (r, (g, c)) in gpu.tokens.iter().zip(&cpu).enumerate() {
+                if *g == c.0 as i32 {
+                    agree += 1;
+                } else {
+                    println!(
+                        "SAMPLER-TOP {} vocab {vocab} row {r} ({:?}): gpu {g} cpu {}",
+                        dtype.name(),
+                        params[r],
+                        c.0
+                    );
+                }
+                total += 1;
+            }
+        }
+    }
+    println!("SAMPLER-TOP-CHECK gpu vs cpu tokens agree {agree}/{total}");
+    assert_eq!(
+        agree, total,
+        "the top-k / top-p fast path differs from the CPU"
+    );
 }

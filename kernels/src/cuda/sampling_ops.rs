@@ -315,6 +315,53 @@ impl CudaOps {
                 logprobs: Vec::new(),
             });
         }
+        let (tokens, logprobs) = self.launch_sampling(logits, vocab, batch, poison)?;
+        let tokens = self
+            .stream
+            .clone_dtoh(&tokens)
+            .map_err(|e| driver_error("copying sampled tokens from the GPU", e))?;
+        let logprobs = if batch.num_logprobs > 0 {
+            self.stream
+                .clone_dtoh(&logprobs)
+                .map_err(|e| driver_error("copying logprobs from the GPU", e))?
+        } else {
+            Vec::new()
+        };
+        Ok(SampledBatch {
+            tokens: tokens[..rows].to_vec(),
+            logprobs: logprobs[..batch.num_logprobs].to_vec(),
+        })
+    }
+
+    /// `sample_tokens_ex` without the read-back: the sampled tokens stay on the device
+    /// (one per row, at least one element), for a caller that copies them back itself,
+    /// later (the worker's overlapped steps). Batches with logprobs are refused: only the
+    /// tokens would come back.
+    pub fn sample_tokens_on_device(
+        &self,
+        logits: &CudaSlice<u8>,
+        vocab: usize,
+        batch: &SamplingBatch,
+    ) -> Result<CudaSlice<i32>> {
+        ensure!(
+            batch.num_logprobs == 0,
+            "sampling on the device only: {} rows ask for logprobs",
+            batch.num_logprobs
+        );
+        ensure!(!batch.rows.is_empty(), "sampling on the device: no rows");
+        Ok(self.launch_sampling(logits, vocab, batch, false)?.0)
+    }
+
+    /// Enqueues the sampling launches of a non-empty batch; the token and logprobs
+    /// buffers they write.
+    fn launch_sampling(
+        &self,
+        logits: &CudaSlice<u8>,
+        vocab: usize,
+        batch: &SamplingBatch,
+        poison: bool,
+    ) -> Result<(CudaSlice<i32>, CudaSlice<TokenLogprobsOut>)> {
+        let rows = batch.rows.len();
         batch.validate(vocab)?;
         let need = rows * vocab * self.dtype.size();
         ensure!(
@@ -352,21 +399,7 @@ impl CudaOps {
         if fast > 0 {
             self.sample_fast(logits, v, rows, &params, fast_draw, &mut tokens)?;
         }
-        let tokens = self
-            .stream
-            .clone_dtoh(&tokens)
-            .map_err(|e| driver_error("copying sampled tokens from the GPU", e))?;
-        let logprobs = if batch.num_logprobs > 0 {
-            self.stream
-                .clone_dtoh(&logprobs)
-                .map_err(|e| driver_error("copying logprobs from the GPU", e))?
-        } else {
-            Vec::new()
-        };
-        Ok(SampledBatch {
-            tokens: tokens[..rows].to_vec(),
-            logprobs: logprobs[..batch.num_logprobs].to_vec(),
-        })
+        Ok((tokens, logprobs))
     }
 }
 

@@ -727,7 +727,8 @@ impl ModelRunner<CudaBackend> {
         };
         let sampled_req_ids = step.sampled_req_ids;
         // The forward pass is only enqueued here; sampling waits for it, so `sample_us`
-        // holds the GPU time the host did not hide (none when the step is deferred).
+        // holds the GPU time the host did not hide (when the step before it was deferred:
+        // the wait for that step's tokens, this step's forward already enqueued).
         let enqueued = started.elapsed();
         let deferred = defer && overlap::may_defer(so, &self.batch, &sampled_req_ids);
         if deferred {

@@ -73,16 +73,25 @@ async fn serve(args: &WorkerArgs, sockets: &mut Sockets) -> anyhow::Result<()> {
         // Time spent waiting for the next step: with async scheduling the engine-core has
         // usually queued it already, so this stays near zero while requests run.
         let idle = std::time::Instant::now();
-        let input = match next_input(&mut inputs, &runner).await? {
+        // While a step is deferred this wait lasts at most until its tokens are back: the
+        // watchdog covers it, as it would cover the step's own read-back.
+        let deferred = runner.pending_step_id();
+        if let Some(step) = deferred {
+            watchdog.begin(step);
+        }
+        let next = next_input(&mut inputs, &runner).await;
+        if let Some(step) = deferred {
+            watchdog.end().with_context(|| format!("step {step}"))?;
+        }
+        let input = match next? {
             Next::Input(input) => input,
             Next::TokensArrived => {
                 // No step came before the deferred one's tokens: send its output now,
                 // as the engine-core may be waiting for it to plan the next.
-                let step = runner.pending_step_id().unwrap_or_default();
-                watchdog.begin(step);
-                let out = runner.finish_pending();
-                watchdog.end().with_context(|| format!("step {step}"))?;
-                let out = out.with_context(|| format!("step {step}"))?;
+                let step = deferred.unwrap_or_default();
+                let out = runner
+                    .finish_pending()
+                    .with_context(|| format!("step {step}"))?;
                 if let (Some(out), 0) = (out, args.rank) {
                     sockets.send(&WorkerEvent::Output(out)).await?;
                 }

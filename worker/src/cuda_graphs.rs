@@ -19,6 +19,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use vllm_kernels::cuda::attention_plan::{decode_bucket, DecodeGrid};
 
+use crate::backend::cuda::pending_step::InputCopies;
 use crate::backend::cuda::tensor::Borrowed;
 use crate::backend::cuda::CudaTensor;
 use crate::backend::{Backend, CudaBackend, StepInputs};
@@ -204,13 +205,15 @@ impl CudaGraphs {
         shape_for(&self.shapes, inputs)
     }
 
-    /// Replays the graph of `shape` on `inputs` padded to it; the logits of the step's
-    /// sequences, in order.
+    /// Replays the graph of `shape` on `inputs` padded to it, with `copies` (a deferred
+    /// step's tokens) applied to its input ids first; the logits of the step's sequences,
+    /// in order.
     pub fn replay(
         &self,
         b: &CudaBackend,
         inputs: &StepInputs,
         shape: GraphShape,
+        copies: Option<&InputCopies>,
     ) -> Result<LogitsView> {
         let graph = self
             .graphs
@@ -218,6 +221,11 @@ impl CudaGraphs {
             .context("no CUDA graph of this size")?;
         // Staged where the graph reads: the metadata handles are not needed past this.
         drop(b.upload_step(&pad_decode_step(inputs, shape))?);
+        // A deferred step's tokens, into the same input ids (padding rows follow the
+        // step's own, so their positions are the step's).
+        if let Some(c) = copies {
+            c.apply(b)?;
+        }
         graph
             .launch()
             .map_err(|e| anyhow::anyhow!("CUDA driver: launching a graph failed: {e:?}"))?;

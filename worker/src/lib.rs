@@ -10,6 +10,7 @@ pub mod layers;
 pub mod model_path;
 pub mod model_runner;
 pub mod models;
+pub mod overlap;
 pub mod reference;
 pub mod sampler;
 pub mod watchdog;

@@ -9,6 +9,7 @@ use vllm_protocol::{
     DistributedInit, ModelInfo, ModelRunnerOutput, SampledToken, SchedulerOutput, WorkerProfile,
 };
 
+use crate::backend::cuda::pending_step::{InputCopies, PendingStep, Readback};
 use crate::backend::cuda::CudaTensor;
 use crate::backend::cuda::{memory, sampling};
 use crate::backend::{Backend, CpuBackend, CudaBackend, StepCapacity, StepInputs};
@@ -19,6 +20,7 @@ use crate::input_batch::{InputBatch, PreparedStep};
 use crate::kv_cache::{bytes_per_block, KvCache};
 use crate::layers::TensorParallel;
 use crate::models::{variant_for, LlamaForCausalLM};
+use crate::overlap::{self, CopyRun, DeferredRows};
 use crate::sampler::{Sampler, SamplingRequest};
 use crate::weights::{DType, Weights};
 use vllm_kernels::cpu::fast::Isa;
@@ -80,6 +82,10 @@ pub struct ModelRunner<B: Backend = CpuBackend> {
     sampler: Sampler,
     /// CUDA only: the decode steps' graphs, once captured.
     graphs: Option<CudaGraphs>,
+    /// CUDA only: the deferred step whose tokens are not read yet (`crate::overlap`).
+    pending: Option<PendingStep>,
+    /// CUDA only: pinned buffers of finished deferred steps, for the next ones.
+    readbacks: Vec<Readback>,
 }
 
 /// Threads of one CPU rank: `VLLM_CPU_NUM_THREADS`, else the cores shared out among the
@@ -210,6 +216,8 @@ impl<B: Backend> ModelRunner<B> {
             batch: InputBatch::default(),
             sampler: Sampler::new(cfg.seed),
             graphs: None,
+            pending: None,
+            readbacks: Vec::new(),
         })
     }
 
@@ -433,6 +441,43 @@ impl DeviceRunner {
             Self::Cuda(r) => r.execute_model_cuda(so),
         }
     }
+
+    /// Runs a step, possibly leaving it deferred (CUDA, see `crate::overlap`); the
+    /// outputs now complete, oldest first: a deferred step before this one, and this one
+    /// unless it is deferred.
+    pub fn execute_model_overlapped(
+        &mut self,
+        so: &SchedulerOutput,
+    ) -> Result<Vec<ModelRunnerOutput>> {
+        match self {
+            Self::Cpu(r) => Ok(vec![r.execute_model(so)?]),
+            Self::Cuda(r) => r.execute_model_overlapped(so),
+        }
+    }
+
+    /// The id of the deferred step, if one is in flight.
+    pub fn pending_step_id(&self) -> Option<u64> {
+        match self {
+            Self::Cpu(_) => None,
+            Self::Cuda(r) => r.pending_step_id(),
+        }
+    }
+
+    /// Whether the deferred step's tokens have arrived (true when there is none).
+    pub fn pending_is_ready(&self) -> Result<bool> {
+        match self {
+            Self::Cpu(_) => Ok(true),
+            Self::Cuda(r) => r.pending_is_ready(),
+        }
+    }
+
+    /// Waits for the deferred step's tokens and returns its output.
+    pub fn finish_pending(&mut self) -> Result<Option<ModelRunnerOutput>> {
+        match self {
+            Self::Cpu(_) => Ok(None),
+            Self::Cuda(r) => r.finish_pending(),
+        }
+    }
 }
 
 impl ModelRunner<CudaBackend> {
@@ -599,47 +644,162 @@ impl ModelRunner<CudaBackend> {
 
     /// `execute_model` with sampling on the GPU: every parameter (penalties, logit bias,
     /// min_tokens and logprobs too) is applied on the device, so the logits never leave it;
-    /// only the tokens and the asked-for logprobs come back.
+    /// only the tokens and the asked-for logprobs come back. Never defers (the serial
+    /// path); a deferred step must be finished first.
     pub fn execute_model_cuda(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
+        ensure!(
+            self.pending.is_none(),
+            "execute_model_cuda with a deferred step in flight (finish_pending first)"
+        );
+        let mut outputs = self.execute_cuda(so, false)?;
+        ensure!(
+            outputs.len() == 1,
+            "a serial step completes exactly one output"
+        );
+        Ok(outputs.remove(0))
+    }
+
+    /// `execute_model_cuda` that may defer the step (`crate::overlap`): enqueued behind a
+    /// deferred one when it can be, and itself deferred when the engine runs ahead. The
+    /// outputs now complete, oldest first.
+    pub fn execute_model_overlapped(
+        &mut self,
+        so: &SchedulerOutput,
+    ) -> Result<Vec<ModelRunnerOutput>> {
+        self.execute_cuda(so, true)
+    }
+
+    pub fn pending_step_id(&self) -> Option<u64> {
+        self.pending.as_ref().map(|p| p.rows.step_id)
+    }
+
+    pub fn pending_is_ready(&self) -> Result<bool> {
+        self.pending
+            .as_ref()
+            .map_or(Ok(true), PendingStep::is_ready)
+    }
+
+    /// Waits for the deferred step's tokens, fills them in on the host (one step late)
+    /// and returns its output.
+    pub fn finish_pending(&mut self) -> Result<Option<ModelRunnerOutput>> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(None);
+        };
+        let (rows, tokens, readback) = pending.finish()?;
+        self.readbacks.push(readback);
+        Ok(Some(ModelRunnerOutput {
+            step_id: rows.step_id,
+            sampled: rows.fill(&mut self.batch, &tokens)?,
+        }))
+    }
+
+    /// One step: prepared (behind the deferred step when `may_overlap` allows, with its
+    /// tokens copied in on the device), enqueued, then sampled: deferred when `defer` and
+    /// `may_defer` allow, else read back at once after the deferred step is finished.
+    fn execute_cuda(
+        &mut self,
+        so: &SchedulerOutput,
+        defer: bool,
+    ) -> Result<Vec<ModelRunnerOutput>> {
+        let mut outputs = Vec::new();
+        let blocked = |p: &PendingStep| !overlap::may_overlap(so, &self.batch, &p.rows);
+        if self.pending.as_ref().is_some_and(blocked) {
+            outputs.extend(self.finish_pending()?);
+        }
         let mut output = ModelRunnerOutput {
             step_id: so.step_id,
             sampled: Vec::new(),
         };
         let started = std::time::Instant::now();
         let Some(step) = self.prepare_step(so)? else {
-            return Ok(output);
+            outputs.extend(self.finish_pending()?);
+            outputs.push(output);
+            return Ok(outputs);
         };
-        let graph = self
-            .graphs
-            .as_ref()
-            .and_then(|g| Some((g, g.shape_for(&step.inputs)?)));
-        let logits = match graph {
-            Some((graphs, shape)) => {
-                StepLogits::Graph(graphs.replay(&self.backend, &step.inputs, shape)?)
-            }
-            None => match self.forward_eager(&step.inputs)? {
-                Some(l) => StepLogits::Eager(l),
-                None => return Ok(output),
-            },
+        let runs = match &self.pending {
+            Some(p) => p.rows.input_gathers(so, &self.batch, &step.inputs)?,
+            None => Vec::new(),
+        };
+        let Some(logits) = self.forward_cuda(&step.inputs, runs)? else {
+            outputs.extend(self.finish_pending()?);
+            outputs.push(output);
+            return Ok(outputs);
         };
         let sampled_req_ids = step.sampled_req_ids;
         // The forward pass is only enqueued here; sampling waits for it, so `sample_us`
-        // holds the GPU time the host did not hide.
+        // holds the GPU time the host did not hide (when the step before it was deferred:
+        // the wait for that step's tokens, this step's forward already enqueued).
         let enqueued = started.elapsed();
-        let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
-        let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
-        output.sampled = self.record_sampled(&sampled_req_ids, sampled);
+        let deferred = defer && overlap::may_defer(so, &self.batch, &sampled_req_ids);
+        if deferred {
+            let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
+            let mut readback = match self.readbacks.pop() {
+                Some(r) => r,
+                None => Readback::new(&self.backend, self.cfg.max_num_seqs as usize)?,
+            };
+            let seed = self.cfg.seed;
+            sampling::sample_on_device(&self.backend, &logits, &reqs, seed, &mut readback.device)?;
+            let rows = DeferredRows::record(&mut self.batch, so.step_id, &sampled_req_ids);
+            let vocab = self.model_config.vocab_size;
+            let next = PendingStep::start(&self.backend, rows, readback, vocab)?;
+            // This step is on the GPU behind the last one: now wait for the last one.
+            outputs.extend(self.finish_pending()?);
+            self.pending = Some(next);
+        } else {
+            outputs.extend(self.finish_pending()?);
+            let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
+            let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
+            output.sampled = self.record_sampled(&sampled_req_ids, sampled);
+            outputs.push(output);
+        }
         tracing::debug!(
             target: "vllm_worker::step",
             step = so.step_id,
             tokens = so.total_num_scheduled_tokens,
             seqs = so.num_scheduled_tokens.len(),
             graph = matches!(logits, StepLogits::Graph(_)),
+            deferred,
             enqueue_us = enqueued.as_micros() as u64,
             sample_us = (started.elapsed() - enqueued).as_micros() as u64,
             "worker step"
         );
-        Ok(output)
+        Ok(outputs)
+    }
+
+    /// Uploads the prepared step, applies the deferred step's `runs` to its input ids and
+    /// enqueues its forward (a graph replay when one fits); its logits, None when it
+    /// samples nothing.
+    fn forward_cuda(
+        &mut self,
+        inputs: &StepInputs,
+        runs: Vec<CopyRun>,
+    ) -> Result<Option<StepLogits>> {
+        let copies = self
+            .pending
+            .as_ref()
+            .map(|pending| InputCopies { pending, runs });
+        if let Some((graphs, shape)) = self
+            .graphs
+            .as_ref()
+            .and_then(|g| Some((g, g.shape_for(inputs)?)))
+        {
+            let view = graphs.replay(&self.backend, inputs, shape, copies.as_ref())?;
+            return Ok(Some(StepLogits::Graph(view)));
+        }
+        let cache = self
+            .kv_cache
+            .as_mut()
+            .context("execute_model before initialize_kv_cache")?;
+        let meta = self.backend.upload_step(inputs)?;
+        if let Some(c) = &copies {
+            c.apply(&self.backend)?;
+        }
+        let hidden = self.model.forward(&self.backend, &meta, cache)?;
+        if inputs.logits_indices.is_empty() {
+            return Ok(None);
+        }
+        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
+        Ok(Some(StepLogits::Eager(logits)))
     }
 }
 

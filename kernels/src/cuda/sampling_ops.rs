@@ -14,7 +14,9 @@
 use std::sync::Mutex;
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PinnedHostSlice, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaEvent, CudaSlice, DeviceRepr, LaunchConfig, PinnedHostSlice, ValidAsZeroBits,
+};
 
 use super::device::driver_error;
 use super::ops::{launch, rows_cfg, CudaOps};
@@ -257,6 +259,10 @@ struct ScratchBuffers {
     rows: usize,
     chunks: usize,
     params_host: PinnedHostSlice<SampleRowEx>,
+    /// Recorded behind the copy out of `params_host`: a call that does not wait for its
+    /// tokens (`sample_tokens_on_device`) may still have that copy queued when the next
+    /// call writes the pinned rows.
+    params_copied: CudaEvent,
     params: CudaSlice<SampleRowEx>,
     tokens_host: PinnedHostSlice<i32>,
     tokens: CudaSlice<i32>,
@@ -306,6 +312,7 @@ impl ScratchBuffers {
             rows,
             chunks,
             params_host,
+            params_copied: ctx.new_event(None).map_err(err)?,
             params: unsafe { ops.stream.alloc(rows) }.map_err(err)?,
             tokens_host,
             tokens: unsafe { ops.stream.alloc(rows) }.map_err(err)?,
@@ -328,8 +335,9 @@ impl ScratchBuffers {
 
     /// Copies `rows` (at most `self.rows`) to `params` through the pinned buffer.
     fn upload_rows(&mut self, ops: &CudaOps, rows: &[SampleRowEx]) -> Result<()> {
-        // No copy from the pinned buffer is in flight: each call ends waiting for the
-        // stream (`download_tokens`), and a failed call drops the buffers.
+        self.params_copied
+            .synchronize()
+            .map_err(|e| driver_error("waiting for the last sampling rows' copy", e))?;
         let host = self
             .params_host
             .as_mut_slice()
@@ -337,7 +345,10 @@ impl ScratchBuffers {
         host[..rows.len()].copy_from_slice(rows);
         ops.stream
             .memcpy_htod(&self.params_host, &mut self.params)
-            .map_err(|e| driver_error("copying sampling rows to the GPU", e))
+            .map_err(|e| driver_error("copying sampling rows to the GPU", e))?;
+        self.params_copied
+            .record(&ops.stream)
+            .map_err(|e| driver_error("recording an event", e))
     }
 
     /// The first `rows` tokens, through the pinned buffer (waits for the stream).
@@ -486,14 +497,7 @@ impl CudaOps {
                 handed_back: 0,
             });
         }
-        batch.validate(vocab)?;
-        let need = rows * vocab * self.dtype.size();
-        ensure!(
-            logits.len() >= need,
-            "sample logits: buffer of {} bytes, {rows}×{vocab} {} elements need {need}",
-            logits.len(),
-            self.dtype.name()
-        );
+        self.check_logits(logits, vocab, batch)?;
         let mut slot = self
             .sampling
             .0
@@ -508,6 +512,62 @@ impl CudaOps {
         out
     }
 
+    /// `sample_tokens_ex` without the read-back, for the worker's overlapped steps: the
+    /// tokens are copied on the device into `out` (row `i`'s at index `i`) and the call
+    /// returns without waiting for them. Batches with logprobs are refused: only the
+    /// tokens would come back.
+    pub fn sample_tokens_on_device(
+        &self,
+        logits: &CudaSlice<u8>,
+        vocab: usize,
+        batch: &SamplingBatch,
+        out: &mut CudaSlice<i32>,
+    ) -> Result<()> {
+        let rows = batch.rows.len();
+        ensure!(
+            batch.num_logprobs == 0,
+            "sampling on the device only: {} rows ask for logprobs",
+            batch.num_logprobs
+        );
+        ensure!(
+            rows > 0 && rows <= out.len(),
+            "sampling on the device: {rows} rows for a buffer of {}",
+            out.len()
+        );
+        self.check_logits(logits, vocab, batch)?;
+        let mut slot = self
+            .sampling
+            .0
+            .lock()
+            .map_err(|_| anyhow::anyhow!("sampling: a previous call panicked"))?;
+        let s = SamplingScratch::buffers(&mut slot, self, rows, vocab.div_ceil(FAST_CHUNK))?;
+        let done = self
+            .enqueue_sampling(logits, vocab, batch, false, s)
+            .and_then(|_| {
+                self.stream
+                    .memcpy_dtod(&s.tokens.slice(..rows), &mut out.slice_mut(..rows))
+                    .map_err(|e| driver_error("copying sampled tokens on the GPU", e))
+            });
+        if done.is_err() {
+            *slot = None;
+        }
+        done
+    }
+
+    /// The sizes `sample_tokens_ex` checks before it launches anything.
+    fn check_logits(&self, logits: &CudaSlice<u8>, vocab: usize, batch: &SamplingBatch) -> Result<()> {
+        batch.validate(vocab)?;
+        let rows = batch.rows.len();
+        let need = rows * vocab * self.dtype.size();
+        ensure!(
+            logits.len() >= need,
+            "sample logits: buffer of {} bytes, {rows}×{vocab} {} elements need {need}",
+            logits.len(),
+            self.dtype.name()
+        );
+        Ok(())
+    }
+
     /// `sample_tokens_ex` with its buffers.
     fn sample_into(
         &self,
@@ -517,6 +577,46 @@ impl CudaOps {
         poison: bool,
         s: &mut ScratchBuffers,
     ) -> Result<SampledBatch> {
+        let rows = batch.rows.len();
+        let (rows_ex, top, logprobs) = self.enqueue_sampling(logits, vocab, batch, poison, s)?;
+        let tokens = s.download_tokens(self, rows)?;
+        let logprobs = match logprobs {
+            Some(l) => self
+                .stream
+                .clone_dtoh(&l)
+                .map_err(|e| driver_error("copying logprobs from the GPU", e))?,
+            None => Vec::new(),
+        };
+        let handed_back = if poison && top {
+            let after = self
+                .stream
+                .clone_dtoh(&s.params)
+                .map_err(|e| driver_error("copying sampling rows from the GPU", e))?;
+            (rows_ex.iter().zip(&after))
+                .filter(|(before, after)| before.path == PATH_FAST && after.path != PATH_FAST)
+                .count()
+        } else {
+            0
+        };
+        Ok(SampledBatch {
+            tokens,
+            logprobs,
+            handed_back,
+        })
+    }
+
+    /// Uploads the rows and enqueues the fast and general launches, which leave the tokens
+    /// in `s.tokens`; the rows as uploaded, whether any took the top fast path, and the
+    /// logprobs buffer when the batch asks for logprobs.
+    #[allow(clippy::type_complexity)]
+    fn enqueue_sampling(
+        &self,
+        logits: &CudaSlice<u8>,
+        vocab: usize,
+        batch: &SamplingBatch,
+        poison: bool,
+        s: &mut ScratchBuffers,
+    ) -> Result<(Vec<SampleRowEx>, bool, Option<CudaSlice<TokenLogprobsOut>>)> {
         let rows = batch.rows.len();
         let v = i32::try_from(vocab)
             .map_err(|_| anyhow::anyhow!("vocab = {vocab} does not fit the kernels' i32"))?;
@@ -549,30 +649,7 @@ impl CudaOps {
         if fast < rows || top {
             logprobs = self.sample_general(logits, v, batch, poison, s)?;
         }
-        let tokens = s.download_tokens(self, rows)?;
-        let logprobs = match logprobs {
-            Some(l) => self
-                .stream
-                .clone_dtoh(&l)
-                .map_err(|e| driver_error("copying logprobs from the GPU", e))?,
-            None => Vec::new(),
-        };
-        let handed_back = if poison && top {
-            let after = self
-                .stream
-                .clone_dtoh(&s.params)
-                .map_err(|e| driver_error("copying sampling rows from the GPU", e))?;
-            (rows_ex.iter().zip(&after))
-                .filter(|(before, after)| before.path == PATH_FAST && after.path != PATH_FAST)
-                .count()
-        } else {
-            0
-        };
-        Ok(SampledBatch {
-            tokens,
-            logprobs,
-            handed_back,
-        })
+        Ok((rows_ex, top, logprobs))
     }
 
     /// The one-block-per-row launch over the rows whose path is 0 in `s.params`; returns

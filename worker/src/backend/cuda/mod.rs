@@ -8,6 +8,7 @@
 //! launch, so bad input is an error rather than a stray memory access.
 
 pub mod memory;
+pub mod pending_step;
 pub mod sampling;
 pub mod step_buffers;
 pub mod tensor;
@@ -99,6 +100,22 @@ impl CudaBackend {
     pub fn with_attention_kernels(mut self, kernels: AttentionKernels) -> Self {
         self.attention = kernels;
         self
+    }
+
+    /// `StepBuffers::copy_into_input_ids` on the step staged last.
+    pub fn copy_into_input_ids(
+        &self,
+        runs: &[crate::overlap::CopyRun],
+        src: &cudarc::driver::CudaSlice<i32>,
+    ) -> Result<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let setup = self.steps.borrow();
+        let setup = setup
+            .as_ref()
+            .context("copying into a step's inputs before reserve_steps")?;
+        setup.buffers.copy_into_input_ids(runs, src)
     }
 
     pub fn dtype(&self) -> DType {

@@ -184,6 +184,40 @@ pub fn sample(
     sample_with(b, logits, reqs, engine_seed, false)
 }
 
+/// `sample` without the read-back, for rows that ask for no logprobs: the tokens stay on
+/// the device, row `i`'s at index `i` of `out` (the worker's overlapped steps copy them
+/// back later, see `pending_step`). Every row's uniform is drawn here, in row order, as
+/// `sample` draws it.
+pub fn sample_on_device(
+    b: &CudaBackend,
+    logits: &CudaTensor,
+    reqs: &[SamplingRequest],
+    engine_seed: u64,
+    out: &mut cudarc::driver::CudaSlice<i32>,
+) -> Result<()> {
+    ensure!(
+        logits.rows() == reqs.len() && !reqs.is_empty(),
+        "sampling on the device: {} logits rows for {} requests",
+        logits.rows(),
+        reqs.len()
+    );
+    let vocab = logits.cols();
+    let batch = HostBatch::build(reqs, vocab, |r| {
+        row_params(b, r.params, r.output_token_ids.len(), engine_seed)
+    })?;
+    b.ops.sample_tokens_on_device(
+        &logits.buf,
+        vocab,
+        &SamplingBatch {
+            rows: &batch.rows,
+            entries: &batch.entries,
+            biases: &batch.biases,
+            num_logprobs: batch.num_logprobs,
+        },
+        out,
+    )
+}
+
 /// `sample`, with the kernel's outputs poisoned (NaN, -1) before the launch when
 /// `poison` (tests).
 pub fn sample_with(

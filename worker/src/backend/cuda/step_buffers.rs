@@ -16,6 +16,7 @@ use vllm_kernels::cuda::AttentionPlan;
 
 use super::tensor::{Borrowed, DeviceInts};
 use crate::backend::{StepCapacity, StepInputs};
+use crate::overlap::CopyRun;
 
 /// Where each array starts, in i32s from the start of the buffers. The block tables come
 /// last, so that a step copies only the prefix it uses.
@@ -203,6 +204,33 @@ impl StepBuffers {
             tile_token: view(l.tile_token, plan.tile_token.len()),
             decode_partition: view(l.decode_partition, 1),
         })
+    }
+
+    /// Overwrites input ids of the step staged last with tokens of `src`, a device
+    /// buffer: run by run, `len` ids at `dst` from `src[src..]`. Stream-ordered after
+    /// the step's upload, so the forward (or graph) that follows reads them.
+    pub fn copy_into_input_ids(&self, runs: &[CopyRun], src: &CudaSlice<i32>) -> Result<()> {
+        let (dst_base, _g0) = self.dev.device_ptr(&self.stream);
+        let (src_base, _g1) = src.device_ptr(&self.stream);
+        for r in runs {
+            ensure!(
+                r.dst + r.len <= self.capacity.max_num_tokens && r.src + r.len <= src.len(),
+                "input copy {r:?} outside the step buffers or the {} sampled tokens",
+                src.len()
+            );
+            let at = |base: u64, i: usize| base + (i * 4) as u64;
+            // SAFETY: both ranges lie inside their buffers (checked above), on this stream.
+            unsafe {
+                dr::memcpy_dtod_async(
+                    at(dst_base, self.layout.input_ids + r.dst),
+                    at(src_base, r.src),
+                    r.len * 4,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| driver_error("copying sampled tokens into a step's inputs", e))?;
+        }
+        Ok(())
     }
 }
 

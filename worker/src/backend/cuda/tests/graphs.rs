@@ -5,7 +5,7 @@ use super::*;
 
 /// A CUDA runner of `preset` in `dtype` (None: bf16) with 64 blocks of 16 tokens, its
 /// decode graphs captured unless `enforce_eager`.
-fn cuda_runner(
+pub(super) fn cuda_runner(
     preset: &str,
     dtype: Option<&str>,
     enforce_eager: bool,

@@ -7,10 +7,11 @@
 //! - the GPU sampler vs the CPU sampler on the same rows and uniforms;
 //! - `hf_parity_dump` (ignored; driven by scripts/hf_parity.py through env vars): prefill
 //!   logits and greedy continuations for the transformers comparison;
-//! - CUDA graphs against eager, and the NCCL collectives.
+//! - CUDA graphs against eager, and the NCCL collectives;
+//! - overlapped steps (`--async-scheduling`) against the same steps run one at a time.
 //!
-//! One file per concept (`model`, `sampler`, `parity`, `graphs`, `collectives`); this one
-//! holds what they share.
+//! One file per concept (`model`, `sampler`, `parity`, `graphs`, `collectives`,
+//! `overlap`); this one holds what they share.
 
 use std::path::Path;
 
@@ -250,5 +251,6 @@ fn model_dir(preset: &str) -> std::path::PathBuf {
 mod collectives;
 mod graphs;
 mod model;
+mod overlap;
 mod parity;
 mod sampler;

@@ -509,6 +509,12 @@ impl ModelRunner<CudaBackend> {
         Self::with_backend(backend, cfg)
     }
 
+    /// The backend, for tests that change how it launches (before the graphs are captured).
+    #[cfg(test)]
+    pub(crate) fn backend_mut(&mut self) -> &mut CudaBackend {
+        &mut self.backend
+    }
+
     /// Runs the worst-case dummy step and sizes the KV cache from what memory is left
     /// (or takes `num_gpu_blocks_override`).
     pub fn profile_cuda(&mut self) -> Result<WorkerProfile> {

@@ -11,6 +11,7 @@ pub mod device;
 pub mod dtype;
 pub mod gemm;
 pub mod gemv;
+pub mod launch;
 pub mod libs;
 pub mod module;
 pub mod nccl;

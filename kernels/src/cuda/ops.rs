@@ -8,8 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Result};
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchConfig,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
 };
 
 use super::attention_plan::{
@@ -17,6 +16,7 @@ use super::attention_plan::{
 };
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
+use super::launch::ByValue;
 use super::module::{self, BuildSource, Functions};
 
 /// Launches a kernel of `$ops`'s module with `$cfg`, pushing the arguments in the order of
@@ -29,13 +29,11 @@ macro_rules! launch {
         launch!(unsafe $ops, &$ops.f.$name => stringify!($name), $cfg; $($arg),+)
     };
     (unsafe $ops:expr, $func:expr => $name:expr, $cfg:expr; $($arg:expr),+ $(,)?) => {{
-        use cudarc::driver::PushKernelArg as _;
         let cfg = $cfg;
-        let mut builder = $ops.stream.launch_builder($func);
-        $(builder.arg($arg);)+
+        let mut kernel = $crate::cuda::launch::KernelLaunch::new(&$ops.stream, $func);
+        $(kernel.arg($arg);)+
         // SAFETY: the caller's, stated at the call site.
-        unsafe { builder.launch(cfg) }
-            .map(|_| ())
+        unsafe { kernel.launch(cfg, $ops.pdl) }
             .map_err(|e| $crate::cuda::device::driver_error(concat!("launching ", $name), e))
     }};
 }
@@ -66,7 +64,7 @@ struct AttentionArgs {
     scale: f32,
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
-unsafe impl DeviceRepr for AttentionArgs {}
+unsafe impl ByValue for AttentionArgs {}
 
 /// Device metadata of one attention launch (see `paged_attention`).
 pub struct AttentionMeta<'a> {
@@ -116,7 +114,7 @@ struct DecodeArgs {
     scale: f32,
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
-unsafe impl DeviceRepr for DecodeArgs {}
+unsafe impl ByValue for DecodeArgs {}
 
 /// Threads of a `qkv_prepare` block (`QKV_WARPS` warps) and the widest head it stages.
 const QKV_THREADS: u32 = 128;
@@ -160,7 +158,7 @@ struct QkvArgs {
     eps: f32,
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
-unsafe impl DeviceRepr for QkvArgs {}
+unsafe impl ByValue for QkvArgs {}
 
 /// `PrefillArgs` of attention_prefill.cu, field for field.
 #[repr(C)]
@@ -183,7 +181,7 @@ struct PrefillArgs {
     scale: f32,
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
-unsafe impl DeviceRepr for PrefillArgs {}
+unsafe impl ByValue for PrefillArgs {}
 
 /// Static shape of an attention problem.
 #[derive(Debug, Clone, Copy)]
@@ -200,6 +198,10 @@ pub struct CudaOps {
     pub stream: Arc<CudaStream>,
     pub num_sms: usize,
     pub build_source: BuildSource,
+    /// Launch our kernels with programmatic dependent launch (launch.rs): on by default
+    /// where the device has it (compute capability 9.0 and later); the tests and benches
+    /// turn it off to compare.
+    pub pdl: bool,
     pub(crate) f: Functions,
     /// The sampler's buffers, kept across steps (sampling_ops.rs).
     pub(crate) sampling: super::sampling_ops::SamplingScratch,
@@ -241,6 +243,7 @@ impl CudaOps {
             stream: dev.stream.clone(),
             num_sms: dev.num_sms,
             build_source,
+            pdl: dev.compute_capability.0 >= 9,
             f,
             sampling: Default::default(),
             _module: module,

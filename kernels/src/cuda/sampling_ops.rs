@@ -555,7 +555,12 @@ impl CudaOps {
     }
 
     /// The sizes `sample_tokens_ex` checks before it launches anything.
-    fn check_logits(&self, logits: &CudaSlice<u8>, vocab: usize, batch: &SamplingBatch) -> Result<()> {
+    fn check_logits(
+        &self,
+        logits: &CudaSlice<u8>,
+        vocab: usize,
+        batch: &SamplingBatch,
+    ) -> Result<()> {
         batch.validate(vocab)?;
         let rows = batch.rows.len();
         let need = rows * vocab * self.dtype.size();

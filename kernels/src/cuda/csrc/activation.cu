@@ -3,6 +3,7 @@
 
 extern "C" __global__ void silu_and_mul(const scalar_t* __restrict__ x,
                                         scalar_t* __restrict__ out, long long rows, int d) {
+    pdl_enter();
     const long long n = rows * d;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {

@@ -176,6 +176,7 @@ extern "C" __global__ void paged_attention_combine(const float* __restrict__ par
                                                    const float* __restrict__ part_ml,
                                                    scalar_t* __restrict__ out, int num_rows,
                                                    int head_dim, int num_splits) {
+    pdl_enter();
     const long long row = blockIdx.x;
     float m_max = NEG_INF;
     for (int s = 0; s < num_splits; ++s)

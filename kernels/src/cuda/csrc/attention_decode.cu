@@ -242,6 +242,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
 #define DECODE_KERNEL(D, GP)                                                              \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS)                             \
         paged_attention_decode_d##D##_g##GP(DecodeArgs a) {                               \
+        pdl_enter();                                                                      \
         paged_attention_decode_impl<D, GP>(a);                                            \
     }
 #define DECODE_KERNELS(D) \
@@ -556,6 +557,7 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D,
     extern "C" __global__ void __launch_bounds__(DEC_THREADS, dec1_min_blocks(D, GP)) \
         paged_attention_decode1_d##D##_g##GP(DecodeArgs a) {                         \
         __shared__ Decode1Smem<D, GP> sm;                                            \
+        pdl_enter();                                                                 \
         if (a.block_size & (a.block_size - 1))                                       \
             paged_attention_decode1_impl<D, GP, false>(a, sm);                       \
         else                                                                         \
@@ -578,6 +580,7 @@ extern "C" __global__ void paged_attention_decode_combine(
     const int* __restrict__ seq_lens, const int* __restrict__ partition,
     scalar_t* __restrict__ out, int num_decode, int num_q_heads, int head_dim,
     int num_partitions) {
+    pdl_enter();
     const int i = blockIdx.x / num_q_heads, h = blockIdx.x % num_q_heads;
     const long long rows = (long long)num_decode * num_q_heads;
     const long long row = (long long)i * num_q_heads + h;

@@ -7,6 +7,7 @@ extern "C" __global__ void reshape_and_cache(const scalar_t* __restrict__ key,
                                              scalar_t* __restrict__ key_cache,
                                              scalar_t* __restrict__ value_cache,
                                              const int* __restrict__ slot_mapping, int kv_row) {
+    pdl_enter();
     const long long t = blockIdx.x;
     const int slot = slot_mapping[t];
     if (slot < 0) return;

@@ -38,6 +38,19 @@ __device__ __forceinline__ scalar_t from_f32(float x) {
 }
 #endif
 
+// Programmatic dependent launch (kernels/src/cuda/launch.rs). Every kernel calls
+// pdl_enter() before it reads what an earlier kernel wrote or writes anything: it waits
+// until the kernel before it on the stream has completed with its writes visible (at once
+// when the launch did not ask for PDL), then lets the next kernel be scheduled, whose
+// blocks wait in their own pdl_enter(). Since each kernel waits for its predecessor
+// before completing, a kernel also sees the writes of every kernel before that one.
+__device__ __forceinline__ void pdl_enter() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Rounds through the activation dtype: where PyTorch (HF and vLLM) materialises an
 // intermediate in bf16, we round the same value the same way.
 __device__ __forceinline__ float round_t(float x) { return to_f32(from_f32(x)); }
@@ -115,8 +128,13 @@ __device__ __forceinline__ void unpack16(const uint4& v, float* f) {
 
 // The `extern "C"` entry points of a kernel templated on the head size: NAME_d16, _d32,
 // _d64 and _d128 (the sizes `attention_plan.rs` lists in HEAD_DIMS).
-#define HEAD_DIM_KERNELS(NAME, IMPL, THREADS, ARGS)                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d16(ARGS a) { IMPL<16>(a); } \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d32(ARGS a) { IMPL<32>(a); } \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d64(ARGS a) { IMPL<64>(a); } \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d128(ARGS a) { IMPL<128>(a); }
+#define HEAD_DIM_KERNEL(NAME, IMPL, THREADS, ARGS, D)                   \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME##_d##D(ARGS a) { \
+        pdl_enter();                                                    \
+        IMPL<D>(a);                                                     \
+    }
+#define HEAD_DIM_KERNELS(NAME, IMPL, THREADS, ARGS) \
+    HEAD_DIM_KERNEL(NAME, IMPL, THREADS, ARGS, 16)  \
+    HEAD_DIM_KERNEL(NAME, IMPL, THREADS, ARGS, 32)  \
+    HEAD_DIM_KERNEL(NAME, IMPL, THREADS, ARGS, 64)  \
+    HEAD_DIM_KERNEL(NAME, IMPL, THREADS, ARGS, 128)

@@ -5,6 +5,7 @@
 extern "C" __global__ void split_cols(const scalar_t* __restrict__ x,
                                       scalar_t* __restrict__ out, long long rows, int cols,
                                       int start, int width) {
+    pdl_enter();
     const long long n = rows * width;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -17,6 +18,7 @@ extern "C" __global__ void split_cols(const scalar_t* __restrict__ x,
 extern "C" __global__ void gather_rows(const scalar_t* __restrict__ x,
                                        const int* __restrict__ indices,
                                        scalar_t* __restrict__ out, int cols) {
+    pdl_enter();
     const scalar_t* src = x + (long long)indices[blockIdx.x] * cols;
     scalar_t* dst = out + (long long)blockIdx.x * cols;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = src[i];
@@ -25,6 +27,7 @@ extern "C" __global__ void gather_rows(const scalar_t* __restrict__ x,
 // y[r, j] += bias[j] (in f32, rounded once).
 extern "C" __global__ void add_bias(scalar_t* __restrict__ y, const scalar_t* __restrict__ bias,
                                     long long rows, int cols) {
+    pdl_enter();
     const long long n = rows * cols;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -33,6 +36,7 @@ extern "C" __global__ void add_bias(scalar_t* __restrict__ y, const scalar_t* __
 }
 
 extern "C" __global__ void fill(scalar_t* __restrict__ y, long long n, float value) {
+    pdl_enter();
     const scalar_t v = from_f32(value);
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
@@ -55,6 +59,7 @@ extern "C" __global__ void dummy_fill(scalar_t* __restrict__ out, unsigned long 
                                       float mean, float scale, long long full_cols,
                                       long long row0, long long col0, long long rows,
                                       long long cols) {
+    pdl_enter();
     const unsigned long long golden = 0x9E3779B97F4A7C15ull;
     const long long n = rows * cols;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;

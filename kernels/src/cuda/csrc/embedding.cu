@@ -5,6 +5,7 @@ extern "C" __global__ void embedding(const int* __restrict__ ids,
                                      const scalar_t* __restrict__ table,
                                      scalar_t* __restrict__ out, int hidden, int vocab_start,
                                      int shard_rows) {
+    pdl_enter();
     const long long t = blockIdx.x;
     const int row = ids[t] - vocab_start;
     const bool inside = row >= 0 && row < shard_rows;

@@ -81,6 +81,7 @@ template <int M, int R>
 __device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
                                      const scalar_t* __restrict__ w,
                                      scalar_t* __restrict__ out, int k, int n) {
+    pdl_enter();
     const long long row0 = ((long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
     if (row0 >= n) return;
     // Rows past n (the last warp of an odd n) re-read the last row and are not written.
@@ -127,6 +128,7 @@ GEMV_KERNELS(8)
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_silu_mul_m1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                      scalar_t* __restrict__ out, int k, int d) {
+    pdl_enter();
     const long long j = (long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     if (j >= d) return;
     const uint4* wr[2] = {reinterpret_cast<const uint4*>(w + j * k),

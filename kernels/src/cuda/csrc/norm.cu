@@ -5,6 +5,7 @@
 extern "C" __global__ void rms_norm(const scalar_t* __restrict__ x,
                                     const scalar_t* __restrict__ weight,
                                     scalar_t* __restrict__ out, int hidden, float eps) {
+    pdl_enter();
     const scalar_t* xr = x + (long long)blockIdx.x * hidden;
     scalar_t* dst = out + (long long)blockIdx.x * hidden;
     float ss = 0.f;
@@ -24,6 +25,7 @@ extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
                                               scalar_t* __restrict__ residual,
                                               const scalar_t* __restrict__ weight, int hidden,
                                               float eps) {
+    pdl_enter();
     scalar_t* xr = x + (long long)blockIdx.x * hidden;
     scalar_t* rr = residual + (long long)blockIdx.x * hidden;
     float ss = 0.f;
@@ -45,6 +47,7 @@ extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
 extern "C" __global__ void rms_norm_per_head(scalar_t* __restrict__ x,
                                              const scalar_t* __restrict__ weight,
                                              int num_heads_total, int head_dim, float eps) {
+    pdl_enter();
     const int warps = blockDim.x >> 5;
     const long long head = (long long)blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;

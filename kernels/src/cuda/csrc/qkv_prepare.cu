@@ -34,6 +34,7 @@ struct QkvArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs a) {
+    pdl_enter();
     __shared__ float staged[QKV_WARPS][QKV_MAX_HEAD_DIM];
     const long long t = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -16,6 +16,7 @@ extern "C" __global__ void rotary_embedding_neox(const int* __restrict__ positio
                                                  const scalar_t* __restrict__ cos_sin,
                                                  int num_q_heads, int num_k_heads,
                                                  int head_dim, int rotary_dim) {
+    pdl_enter();
     const long long t = blockIdx.x;
     const scalar_t* cs = cos_sin + (long long)positions[t] * rotary_dim;
     const int half = rotary_dim / 2;

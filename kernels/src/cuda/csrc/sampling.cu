@@ -566,6 +566,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
                      const LogitEntry* __restrict__ entries, const float* __restrict__ biases,
                      float* values, int* __restrict__ out_tokens,
                      TokenLogprobsOut* __restrict__ out_logprobs) {
+    pdl_enter();
     const int row = blockIdx.x;
     const SampleRowEx p = params[row];
     if (p.path == PATH_FAST) return;  // sampling_fast.cu's row

@@ -153,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
                     const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
                     unsigned int* counters, float* row_max, int* row_fallback,
                     int* __restrict__ out_tokens) {
+    pdl_enter();
     const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
     if (params[row].path != PATH_FAST) return;
     const scalar_t* x = logits + (long long)row * vocab;
@@ -621,6 +622,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
                     float* part_val, int* part_id, unsigned long long* cand, int* cand_n,
                     unsigned int* cand_bound, unsigned int* counters, float* row_max,
                     int* row_fallback, int* __restrict__ out_tokens) {
+    pdl_enter();
     int row, chunk, chunks;
     fast_block<true>(row, chunk, chunks);
     if (params[row].path != PATH_FAST) return;
@@ -815,6 +817,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     sample_fast_draw(const scalar_t* __restrict__ logits, int vocab, SampleRowEx* params,
                      const float* row_max, const int* row_fallback, double* part_mass,
                      int* part_last, unsigned int* counters, int* __restrict__ out_tokens) {
+    pdl_enter();
     fast_draw<false>(logits, vocab, params, row_max, row_fallback, part_mass, part_last,
                      counters, out_tokens, nullptr, nullptr, nullptr, nullptr);
 }
@@ -825,6 +828,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
                          int* part_last, unsigned int* counters, int* __restrict__ out_tokens,
                          const unsigned long long* cand, const int* cand_n,
                          const unsigned int* cand_bound) {
+    pdl_enter();
     fast_draw<true>(logits, vocab, params, row_max, row_fallback, part_mass, part_last,
                     counters, out_tokens, cand, cand_n, cand_bound, row_max);
 }

@@ -10,6 +10,16 @@ pub(super) fn cuda_runner(
     dtype: Option<&str>,
     enforce_eager: bool,
 ) -> crate::model_runner::ModelRunner<CudaBackend> {
+    cuda_runner_pdl(preset, dtype, enforce_eager, true)
+}
+
+/// `cuda_runner` with programmatic dependent launch on or off (where the device has it).
+fn cuda_runner_pdl(
+    preset: &str,
+    dtype: Option<&str>,
+    enforce_eager: bool,
+    pdl: bool,
+) -> crate::model_runner::ModelRunner<CudaBackend> {
     use crate::model_runner::{ModelRunner, WorkerConfig};
     let cfg = WorkerConfig {
         model_dir: model_dir(preset),
@@ -31,6 +41,7 @@ pub(super) fn cuda_runner(
         enforce_eager,
     };
     let mut r = ModelRunner::load_cuda(&cfg, None).unwrap();
+    r.backend_mut().ops.pdl &= pdl;
     r.profile_cuda().unwrap();
     r.initialize_kv_cache(64).unwrap();
     r.capture_cuda_graphs().unwrap();
@@ -158,13 +169,18 @@ fn decode_latency_bench() {
     }
     let presets = std::env::var("VLLM_BENCH_PRESETS").unwrap_or_else(|_| "qwen3-0.6b".into());
     for preset in presets.split(',') {
-        for enforce_eager in [false, true] {
-            let mut r = cuda_runner(preset, None, enforce_eager);
+        for (enforce_eager, pdl) in [(false, true), (false, false), (true, true), (true, false)] {
+            let mut r = cuda_runner_pdl(preset, None, enforce_eager, pdl);
             let prompt: Vec<u32> = (0..128u32).map(|i| (i * 31 + 7) % 1000).collect();
             let (_, mut times) = greedy_decode(&mut r, &[prompt], 256);
             times.sort_by(f64::total_cmp);
             let mean = times.iter().sum::<f64>() / times.len() as f64;
-            let mode = if enforce_eager { "eager" } else { "graphs" };
+            let mode = match (enforce_eager, r.backend_mut().ops.pdl) {
+                (false, true) => "graphs",
+                (false, false) => "graphs, no PDL",
+                (true, true) => "eager",
+                (true, false) => "eager, no PDL",
+            };
             println!(
                 "BENCH decode latency {preset} ({mode}): mean {mean:.3} ms/token, p50 {:.3}, \
                  p90 {:.3} (prompt 128, 256 steps)",

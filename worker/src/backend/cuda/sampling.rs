@@ -130,6 +130,16 @@ pub struct HostBatch {
 }
 
 impl HostBatch {
+    /// The batch as the kernels' wrapper takes it.
+    pub fn view(&self) -> SamplingBatch<'_> {
+        SamplingBatch {
+            rows: &self.rows,
+            entries: &self.entries,
+            biases: &self.biases,
+            num_logprobs: self.num_logprobs,
+        }
+    }
+
     /// Row `i` for `reqs[i]`, with `base` giving each row's sampling parameters and uniform.
     pub fn build(
         reqs: &[SamplingRequest],
@@ -205,17 +215,8 @@ pub fn sample_on_device(
     let batch = HostBatch::build(reqs, vocab, |r| {
         row_params(b, r.params, r.output_token_ids.len(), engine_seed)
     })?;
-    b.ops.sample_tokens_on_device(
-        &logits.buf,
-        vocab,
-        &SamplingBatch {
-            rows: &batch.rows,
-            entries: &batch.entries,
-            biases: &batch.biases,
-            num_logprobs: batch.num_logprobs,
-        },
-        out,
-    )
+    b.ops
+        .sample_tokens_on_device(&logits.buf, vocab, &batch.view(), out)
 }
 
 /// `sample`, with the kernel's outputs poisoned (NaN, -1) before the launch when
@@ -240,17 +241,9 @@ pub fn sample_with(
     let batch = HostBatch::build(reqs, vocab, |r| {
         row_params(b, r.params, r.output_token_ids.len(), engine_seed)
     })?;
-    let out = b.ops.sample_tokens_ex(
-        &logits.buf,
-        vocab,
-        &SamplingBatch {
-            rows: &batch.rows,
-            entries: &batch.entries,
-            biases: &batch.biases,
-            num_logprobs: batch.num_logprobs,
-        },
-        poison,
-    )?;
+    let out = b
+        .ops
+        .sample_tokens_ex(&logits.buf, vocab, &batch.view(), poison)?;
     batch
         .rows
         .iter()
@@ -426,14 +419,7 @@ mod tests {
         assert_eq!(r[1].logprobs, -1);
         assert_eq!((r[2].logprobs, r[2].logprobs_slot), (0, 1));
         assert_eq!(batch.entries, vec![ent(3, 2, 0, (0, 0))]);
-        SamplingBatch {
-            rows: &batch.rows,
-            entries: &batch.entries,
-            biases: &batch.biases,
-            num_logprobs: batch.num_logprobs,
-        }
-        .validate(10)
-        .unwrap();
+        batch.view().validate(10).unwrap();
         let too_many = SamplingParams {
             logprobs: Some(21),
             ..Default::default()

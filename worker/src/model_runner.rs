@@ -88,6 +88,25 @@ pub struct ModelRunner<B: Backend = CpuBackend> {
     readbacks: Vec<Readback>,
 }
 
+/// Uploads `inputs`, runs `after_upload` (a deferred step's input copies), then the
+/// forward pass op by op; the logits, None when the step samples nothing.
+fn eager_pass<B: Backend>(
+    backend: &B,
+    model: &LlamaForCausalLM<B>,
+    cache: Option<&mut KvCache<B>>,
+    inputs: &StepInputs,
+    after_upload: impl FnOnce(&B) -> Result<()>,
+) -> Result<Option<B::Tensor>> {
+    let cache = cache.context("execute_model before initialize_kv_cache")?;
+    let meta = backend.upload_step(inputs)?;
+    after_upload(backend)?;
+    let hidden = model.forward(backend, &meta, cache)?;
+    if inputs.logits_indices.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(model.compute_logits(backend, &hidden, &meta)?))
+}
+
 /// Threads of one CPU rank: `VLLM_CPU_NUM_THREADS`, else the cores shared out among the
 /// ranks of this machine.
 fn cpu_threads(world_size: usize) -> usize {
@@ -322,20 +341,13 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Uploads and runs one step op by op; its logits, None when it samples nothing.
     fn forward_eager(&mut self, inputs: &StepInputs) -> Result<Option<B::Tensor>> {
-        let cache = self
-            .kv_cache
-            .as_mut()
-            .context("execute_model before initialize_kv_cache")?;
-        let meta = self.backend.upload_step(inputs)?;
-        let hidden = self.model.forward(&self.backend, &meta, cache)?;
-        if inputs.logits_indices.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(self.model.compute_logits(
+        eager_pass(
             &self.backend,
-            &hidden,
-            &meta,
-        )?))
+            &self.model,
+            self.kv_cache.as_mut(),
+            inputs,
+            |_| Ok(()),
+        )
     }
 
     /// Pairs each request with the token (and logprobs) sampled for it, and keeps the
@@ -752,6 +764,8 @@ impl ModelRunner<CudaBackend> {
             outputs.extend(self.finish_pending()?);
             self.pending = Some(next);
         } else {
+            // The deferred step's tokens are in the batch before this step's requests
+            // (penalties and min_tokens read them).
             outputs.extend(self.finish_pending()?);
             let reqs = sampling_requests(&self.batch, &self.model_config, &sampled_req_ids);
             let sampled = sampling::sample(&self.backend, &logits, &reqs, self.cfg.seed)?;
@@ -792,20 +806,14 @@ impl ModelRunner<CudaBackend> {
             let view = graphs.replay(&self.backend, inputs, shape, copies.as_ref())?;
             return Ok(Some(StepLogits::Graph(view)));
         }
-        let cache = self
-            .kv_cache
-            .as_mut()
-            .context("execute_model before initialize_kv_cache")?;
-        let meta = self.backend.upload_step(inputs)?;
-        if let Some(c) = &copies {
-            c.apply(&self.backend)?;
-        }
-        let hidden = self.model.forward(&self.backend, &meta, cache)?;
-        if inputs.logits_indices.is_empty() {
-            return Ok(None);
-        }
-        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
-        Ok(Some(StepLogits::Eager(logits)))
+        let logits = eager_pass(
+            &self.backend,
+            &self.model,
+            self.kv_cache.as_mut(),
+            inputs,
+            |b| copies.as_ref().map_or(Ok(()), |c| c.apply(b)),
+        )?;
+        Ok(logits.map(StepLogits::Eager))
     }
 }
 

@@ -4,7 +4,7 @@
 //! With async scheduling the engine-core sends step N+1 before it waits for step N's
 //! output, and N+1 computes N's tokens as output placeholders. The CUDA runner then
 //! *defers* step N: it samples N on the device, enqueues the copy of N's tokens to pinned
-//! host memory and an event (`crate::pending_step`), and returns without waiting. When
+//! host memory and an event (`backend::cuda::pending_step`), and returns without waiting. When
 //! N+1 arrives it is enqueued behind N at once: its inputs are staged from the host as
 //! usual, with [`UNKNOWN_TOKEN`] where N's tokens go, and a device-to-device copy from
 //! N's sampled-token buffer then overwrites those positions ([`DeferredRows::input_gathers`]),

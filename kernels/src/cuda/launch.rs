@@ -117,17 +117,12 @@ impl<'a> KernelLaunch<'a> {
             "KernelLaunch passes no events: the context must not track them (device.rs)"
         );
         self.stream.context().bind_to_thread()?;
-        // The addresses live here, so that the parameter array can point at them.
-        let pointers: Vec<sys::CUdeviceptr> = (self.args.iter())
+        // A pointer argument is passed as the address of the `CUdeviceptr` held in
+        // `self.args`, which does not move while `self` is borrowed.
+        let mut params: Vec<*mut c_void> = (self.args.iter())
             .map(|a| match a {
-                KernelArg::Pointer(p) => *p,
-                KernelArg::Value(..) => 0,
-            })
-            .collect();
-        let mut params: Vec<*mut c_void> = (self.args.iter().zip(&pointers))
-            .map(|(a, p)| match a {
                 KernelArg::Value(v, _) => *v as *mut c_void,
-                KernelArg::Pointer(_) => p as *const sys::CUdeviceptr as *mut c_void,
+                KernelArg::Pointer(p) => p as *const sys::CUdeviceptr as *mut c_void,
             })
             .collect();
         let mut attr = sys::CUlaunchAttribute {

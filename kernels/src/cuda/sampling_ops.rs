@@ -392,6 +392,16 @@ impl SamplingScratch {
     }
 }
 
+/// What `enqueue_sampling` launched.
+struct Enqueued {
+    /// The rows as uploaded (with their paths).
+    rows_ex: Vec<SampleRowEx>,
+    /// Whether any row took the top fast path.
+    top: bool,
+    /// The logprobs buffer, when the batch asks for logprobs.
+    logprobs: Option<CudaSlice<TokenLogprobsOut>>,
+}
+
 impl CudaOps {
     /// Copies `data` to the device (at least one element: empty buffers are not
     /// allocatable; the kernel reads none of a padding element).
@@ -498,18 +508,9 @@ impl CudaOps {
             });
         }
         self.check_logits(logits, vocab, batch)?;
-        let mut slot = self
-            .sampling
-            .0
-            .lock()
-            .map_err(|_| anyhow::anyhow!("sampling: a previous call panicked"))?;
-        let s = SamplingScratch::buffers(&mut slot, self, rows, vocab.div_ceil(FAST_CHUNK))?;
-        let out = self.sample_into(logits, vocab, batch, poison, s);
-        if out.is_err() {
-            // A failed launch may leave counters half counted: start afresh next time.
-            *slot = None;
-        }
-        out
+        self.with_scratch(rows, vocab, |s| {
+            self.sample_into(logits, vocab, batch, poison, s)
+        })
     }
 
     /// `sample_tokens_ex` without the read-back, for the worker's overlapped steps: the
@@ -535,23 +536,33 @@ impl CudaOps {
             out.len()
         );
         self.check_logits(logits, vocab, batch)?;
+        self.with_scratch(rows, vocab, |s| {
+            self.enqueue_sampling(logits, vocab, batch, false, s)?;
+            self.stream
+                .memcpy_dtod(&s.tokens.slice(..rows), &mut out.slice_mut(..rows))
+                .map_err(|e| driver_error("copying sampled tokens on the GPU", e))
+        })
+    }
+
+    /// Runs `f` on the sampler's buffers, grown for `rows` rows of `vocab` logits. A
+    /// failed call drops them: a failed launch may leave counters half counted.
+    fn with_scratch<R>(
+        &self,
+        rows: usize,
+        vocab: usize,
+        f: impl FnOnce(&mut ScratchBuffers) -> Result<R>,
+    ) -> Result<R> {
         let mut slot = self
             .sampling
             .0
             .lock()
             .map_err(|_| anyhow::anyhow!("sampling: a previous call panicked"))?;
         let s = SamplingScratch::buffers(&mut slot, self, rows, vocab.div_ceil(FAST_CHUNK))?;
-        let done = self
-            .enqueue_sampling(logits, vocab, batch, false, s)
-            .and_then(|_| {
-                self.stream
-                    .memcpy_dtod(&s.tokens.slice(..rows), &mut out.slice_mut(..rows))
-                    .map_err(|e| driver_error("copying sampled tokens on the GPU", e))
-            });
-        if done.is_err() {
+        let out = f(s);
+        if out.is_err() {
             *slot = None;
         }
-        done
+        out
     }
 
     /// The sizes `sample_tokens_ex` checks before it launches anything.
@@ -583,7 +594,11 @@ impl CudaOps {
         s: &mut ScratchBuffers,
     ) -> Result<SampledBatch> {
         let rows = batch.rows.len();
-        let (rows_ex, top, logprobs) = self.enqueue_sampling(logits, vocab, batch, poison, s)?;
+        let Enqueued {
+            rows_ex,
+            top,
+            logprobs,
+        } = self.enqueue_sampling(logits, vocab, batch, poison, s)?;
         let tokens = s.download_tokens(self, rows)?;
         let logprobs = match logprobs {
             Some(l) => self
@@ -611,9 +626,7 @@ impl CudaOps {
     }
 
     /// Uploads the rows and enqueues the fast and general launches, which leave the tokens
-    /// in `s.tokens`; the rows as uploaded, whether any took the top fast path, and the
-    /// logprobs buffer when the batch asks for logprobs.
-    #[allow(clippy::type_complexity)]
+    /// in `s.tokens`.
     fn enqueue_sampling(
         &self,
         logits: &CudaSlice<u8>,
@@ -621,7 +634,7 @@ impl CudaOps {
         batch: &SamplingBatch,
         poison: bool,
         s: &mut ScratchBuffers,
-    ) -> Result<(Vec<SampleRowEx>, bool, Option<CudaSlice<TokenLogprobsOut>>)> {
+    ) -> Result<Enqueued> {
         let rows = batch.rows.len();
         let v = i32::try_from(vocab)
             .map_err(|_| anyhow::anyhow!("vocab = {vocab} does not fit the kernels' i32"))?;
@@ -654,7 +667,11 @@ impl CudaOps {
         if fast < rows || top {
             logprobs = self.sample_general(logits, v, batch, poison, s)?;
         }
-        Ok((rows_ex, top, logprobs))
+        Ok(Enqueued {
+            rows_ex,
+            top,
+            logprobs,
+        })
     }
 
     /// The one-block-per-row launch over the rows whose path is 0 in `s.params`; returns

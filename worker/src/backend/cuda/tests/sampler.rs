@@ -573,15 +573,7 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
                     }
                 })
                 .collect();
-            let reqs: Vec<SamplingRequest> = params
-                .iter()
-                .map(|p| SamplingRequest {
-                    params: p,
-                    prompt_token_ids: &[],
-                    output_token_ids: &[],
-                    eos_token_ids: &[],
-                })
-                .collect();
+            let reqs = without_history(&params);
             let gpu = sampling::sample_with(&b, &t, &reqs, 0, true).unwrap();
             let cpu = Sampler::new(0).sample(&mut host.clone(), vocab, &reqs);
             for (r, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
@@ -601,6 +593,19 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
     }
     println!("SAMPLER-FAST-CHECK gpu vs cpu tokens agree {agree}/{total}");
     assert_eq!(agree, total, "the fast GPU sampler differs from the CPU");
+}
+
+/// One request per parameter set, with no prompt, output or eos tokens.
+fn without_history(params: &[SamplingParams]) -> Vec<SamplingRequest<'_>> {
+    params
+        .iter()
+        .map(|p| SamplingRequest {
+            params: p,
+            prompt_token_ids: &[],
+            output_token_ids: &[],
+            eos_token_ids: &[],
+        })
+        .collect()
 }
 
 /// Logits of the top-k / top-p check: coarse-grid rows (ties everywhere) where most rows
@@ -680,15 +685,7 @@ fn gpu_top_sampler_matches_cpu_sampler() {
             let t = b.upload(&HostTensor::new(vec![n, vocab], logits)).unwrap();
             let host = b.to_host(&t).unwrap().data;
             let params: Vec<SamplingParams> = (0..n).map(top_params).collect();
-            let reqs: Vec<SamplingRequest> = params
-                .iter()
-                .map(|p| SamplingRequest {
-                    params: p,
-                    prompt_token_ids: &[],
-                    output_token_ids: &[],
-                    eos_token_ids: &[],
-                })
-                .collect();
+            let reqs = without_history(&params);
             let rows: Vec<SampleRowEx> = params
                 .iter()
                 .map(|p| SampleRowEx::plain(sampling::row_params(&b, p, 0, 0)))

@@ -304,7 +304,7 @@ impl DecodeShape {
             &mut out,
         )
         .unwrap();
-        let bytes = dev.stream.clone_dtoh(&out).expect("download");
+        let bytes = dev.stream.clone_dtoh(&*out).expect("download");
         (s, DType::BF16.decode(&bytes))
     }
 }

@@ -116,7 +116,7 @@ impl<'a> Ctx<'a> {
         self.gpu.dev.stream.clone_htod(v).expect("upload ints")
     }
     fn poisoned(&self, n: usize) -> CudaSlice<u8> {
-        let mut b = self.ops.alloc(n).expect("alloc");
+        let mut b = self.gpu.dev.stream.alloc_zeros(n * self.dtype.size()).expect("alloc");
         self.ops.fill(&mut b, n, f32::NAN).expect("fill");
         b
     }

@@ -9,6 +9,11 @@
 //! sequences than a graph's attention grid reaches, or more sequences than the largest
 //! graph run eagerly.
 //!
+//! The activations of every capture come from one arena sized by an eager pass of the
+//! largest shape (`CaptureArena`), so that a graph holds kernels and copies only: no
+//! allocation node sits between two kernels, and programmatic dependent launch joins
+//! them. The graphs share the arena, as they run one at a time on one stream.
+//!
 //! A padded sequence has one key (slot 0 of block 0, never written: its slot is -1), so
 //! its rows stay finite; its logits are never read.
 
@@ -18,6 +23,7 @@ use anyhow::{Context, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use vllm_kernels::cuda::attention_plan::{decode_bucket, DecodeGrid};
+use vllm_kernels::cuda::CaptureArena;
 
 use crate::backend::cuda::pending_step::InputCopies;
 use crate::backend::cuda::tensor::Borrowed;
@@ -156,6 +162,8 @@ pub struct CudaGraphs {
     graphs: BTreeMap<usize, CudaGraph>,
     /// [largest batch, vocab]: every graph writes its logits here.
     logits: CudaTensor,
+    /// The memory of every graph's activations (capture_arena.rs in the kernels crate).
+    _arena: CaptureArena,
 }
 
 impl CudaGraphs {
@@ -172,23 +180,34 @@ impl CudaGraphs {
         let largest = shapes.first().map_or(0, |s| s.batch);
         let shape = vec![largest.max(1), vocab];
         let mut logits = CudaTensor {
-            buf: b.ops.alloc_zeros(shape.iter().product())?,
+            buf: b.ops.alloc_zeros(shape.iter().product())?.into(),
             shape,
+        };
+        let arena = match shapes.first() {
+            Some(&largest) => arena_for(b, model, cache, largest)?,
+            None => CaptureArena::measuring(),
         };
         let mut graphs = BTreeMap::new();
         for &shape in &shapes {
-            let graph = capture_one(b, model, cache, shape, &mut logits).with_context(|| {
-                format!(
-                    "capturing the CUDA graph of {} sequences (--enforce-eager runs without)",
-                    shape.batch
-                )
-            })?;
+            let graph =
+                capture_one(b, model, cache, shape, &mut logits, &arena).with_context(|| {
+                    format!(
+                        "capturing the CUDA graph of {} sequences (--enforce-eager runs without)",
+                        shape.batch
+                    )
+                })?;
             graphs.insert(shape.batch, graph);
         }
+        tracing::info!(
+            arena_mib = arena.high_water() / (1 << 20),
+            allocation_nodes = arena.fallbacks(),
+            "activations of the CUDA graphs"
+        );
         Ok(Self {
             shapes,
             graphs,
             logits,
+            _arena: arena,
         })
     }
 
@@ -230,7 +249,7 @@ impl CudaGraphs {
             .launch()
             .map_err(|e| anyhow::anyhow!("CUDA driver: launching a graph failed: {e:?}"))?;
         let (rows, vocab) = (inputs.num_seqs(), self.logits.cols());
-        let (ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&self.logits.buf, &b.dev.stream);
+        let (ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&*self.logits.buf, &b.dev.stream);
         // SAFETY: the first `rows` rows of `logits`, which outlives every view (the runner
         // drops the view before the next step).
         Ok(unsafe {
@@ -239,39 +258,65 @@ impl CudaGraphs {
                 buf: b
                     .dev
                     .stream
-                    .upgrade_device_ptr::<u8>(ptr, rows * vocab * b.dtype().size()),
+                    .upgrade_device_ptr::<u8>(ptr, rows * vocab * b.dtype().size())
+                    .into(),
             })
         })
     }
 }
 
-/// Captures one forward pass of `shape`'s capture step, its logits copied into `out`.
+/// An arena as large as one eager pass of the `largest` shape's capture step spans, with
+/// an eighth more, as smaller shapes' buffers may fall into its ranges less tightly.
+fn arena_for(
+    b: &CudaBackend,
+    model: &LlamaForCausalLM<CudaBackend>,
+    cache: &mut KvCache<CudaBackend>,
+    largest: GraphShape,
+) -> Result<CaptureArena> {
+    let meta = b.upload_step(&capture_step(largest))?;
+    let measuring = CaptureArena::measuring();
+    b.ops.set_capture_arena(Some(measuring.clone()))?;
+    let pass = model
+        .forward(b, &meta, cache)
+        .and_then(|hidden| model.compute_logits(b, &hidden, &meta));
+    b.ops.set_capture_arena(None)?;
+    drop(pass?);
+    let bytes = measuring.high_water();
+    CaptureArena::backed(&b.dev.stream, bytes + bytes / 8)
+}
+
+/// Captures one forward pass of `shape`'s capture step, its logits copied into `out`, its
+/// activations taken from `arena`.
 fn capture_one(
     b: &CudaBackend,
     model: &LlamaForCausalLM<CudaBackend>,
     cache: &mut KvCache<CudaBackend>,
     shape: GraphShape,
     out: &mut CudaTensor,
+    arena: &CaptureArena,
 ) -> Result<CudaGraph> {
     let meta = b.upload_step(&capture_step(shape))?;
     // One eager run first: whatever a first call sets up (cuBLAS's heuristics, the
     // stream-ordered pool) happens outside the capture.
     drop(model.compute_logits(b, &model.forward(b, &meta, cache)?, &meta)?);
     let stream = &b.dev.stream;
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(|e| anyhow::anyhow!("CUDA driver: beginning a capture failed: {e:?}"))?;
+    b.ops.set_capture_arena(Some(arena.clone()))?;
+    if let Err(e) = stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
+        b.ops.set_capture_arena(None)?;
+        anyhow::bail!("CUDA driver: beginning a capture failed: {e:?}");
+    }
     let forward = (|| -> Result<()> {
         let hidden = model.forward(b, &meta, cache)?;
         let logits = model.compute_logits(b, &hidden, &meta)?;
         let row = logits.cols() * b.dtype().size();
         b.ops
             .copy_2d(&logits.buf, 0, row, &mut out.buf, 0, row, row, shape.batch)
-        // Every tensor of the pass is freed here, inside the capture: the graph owns
-        // its activations and frees them itself.
+        // Every tensor of the pass gives its range back to the arena here, so that the
+        // next capture starts from an empty one.
     })();
     // The capture must end whatever happened, or the stream stays in capture mode.
     let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    b.ops.set_capture_arena(None)?;
     forward?;
     let graph = graph
         .map_err(|e| anyhow::anyhow!("CUDA driver: ending a capture failed: {e:?}"))?

@@ -21,6 +21,7 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
+use super::capture_arena::DeviceBuf;
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DriverError,
     LaunchConfig,
@@ -88,6 +89,18 @@ impl<'a, T> IntoKernelArg<'a> for &'a CudaView<'_, T> {
 impl<'a, T> IntoKernelArg<'a> for &'a mut CudaViewMut<'_, T> {
     fn into_arg(self, stream: &CudaStream) -> KernelArg<'a> {
         pointer(&*self, stream)
+    }
+}
+
+impl<'a, T> IntoKernelArg<'a> for &'a DeviceBuf<T> {
+    fn into_arg(self, stream: &CudaStream) -> KernelArg<'a> {
+        pointer(&**self, stream)
+    }
+}
+
+impl<'a, T> IntoKernelArg<'a> for &'a mut DeviceBuf<T> {
+    fn into_arg(self, stream: &CudaStream) -> KernelArg<'a> {
+        pointer(&**self, stream)
     }
 }
 

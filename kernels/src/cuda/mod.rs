@@ -7,6 +7,7 @@
 
 pub mod attention_plan;
 pub mod cache;
+pub mod capture_arena;
 pub mod device;
 pub mod dtype;
 pub mod gemm;
@@ -21,6 +22,7 @@ pub mod sampling_ops;
 pub mod sources;
 
 pub use attention_plan::{AttentionKernels, AttentionPlan, DecodeKernel};
+pub use capture_arena::{CaptureArena, DeviceBuf};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;

@@ -14,6 +14,7 @@ use cudarc::driver::{
 use super::attention_plan::{
     AttentionPlan, DecodeKernel, TileKernel, ATT_THREADS, DEC_THREADS, HEAD_DIMS, PF_THREADS,
 };
+use super::capture_arena::{CaptureArena, DeviceBuf};
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::launch::ByValue;
@@ -205,6 +206,8 @@ pub struct CudaOps {
     pub(crate) f: Functions,
     /// The sampler's buffers, kept across steps (sampling_ops.rs).
     pub(crate) sampling: super::sampling_ops::SamplingScratch,
+    /// Set while graphs are captured (capture_arena.rs).
+    capture_arena: std::sync::Mutex<Option<CaptureArena>>,
     _module: Arc<CudaModule>,
 }
 
@@ -246,6 +249,7 @@ impl CudaOps {
             pdl: dev.compute_capability.0 >= 9,
             f,
             sampling: Default::default(),
+            capture_arena: Default::default(),
             _module: module,
         })
     }
@@ -267,11 +271,31 @@ impl CudaOps {
     }
 
     /// Allocates `elems` elements of the dtype, uninitialised.
-    pub fn alloc(&self, elems: usize) -> Result<CudaSlice<u8>> {
-        // SAFETY: every kernel writes its whole output before anyone reads it; tests
-        // poison outputs with `fill` to check exactly that.
-        unsafe { self.stream.alloc::<u8>(elems.max(1) * self.dtype.size()) }
-            .map_err(|e| driver_error(&format!("allocating {elems} elements"), e))
+    /// Room for `elems` elements of the dtype: from the capture arena while one is set,
+    /// else from the stream-ordered pool. The contents are undefined.
+    pub fn alloc(&self, elems: usize) -> Result<DeviceBuf<u8>> {
+        self.alloc_of::<u8>(elems.max(1) * self.dtype.size())
+    }
+
+    fn alloc_of<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<DeviceBuf<T>> {
+        let arena = self
+            .capture_arena
+            .lock()
+            .map_err(|_| anyhow::anyhow!("a panic held the arena"))?;
+        match arena.as_ref() {
+            Some(a) => a.alloc(&self.stream, len),
+            None => DeviceBuf::pool(&self.stream, len),
+        }
+    }
+
+    /// Hands out the buffers of `alloc` and of the attention partials from `arena` until
+    /// called with None (the graph captures, capture_arena.rs).
+    pub fn set_capture_arena(&self, arena: Option<CaptureArena>) -> Result<()> {
+        *self
+            .capture_arena
+            .lock()
+            .map_err(|_| anyhow::anyhow!("a panic held the arena"))? = arena;
+        Ok(())
     }
 
     pub fn alloc_zeros(&self, elems: usize) -> Result<CudaSlice<u8>> {
@@ -736,10 +760,9 @@ impl CudaOps {
     }
 
     /// f32 scratch for the partials of a split attention.
-    fn partials(&self, n: usize) -> Result<CudaSlice<f32>> {
-        // SAFETY: every partial a combine reads is written by the attention kernel first.
-        unsafe { self.stream.alloc::<f32>(n.max(1)) }
-            .map_err(|e| driver_error("allocating attention partials", e))
+    fn partials(&self, n: usize) -> Result<DeviceBuf<f32>> {
+        // Every partial a combine reads is written by the attention kernel first.
+        self.alloc_of::<f32>(n.max(1))
     }
 
     fn attention_decode(

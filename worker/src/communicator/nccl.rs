@@ -165,7 +165,10 @@ impl Communicator for NcclCommunicator {
                 nccl.all_gather(src, dst, n, nccl_type(self.dtype), comm, self.raw_stream())?
             };
         }
-        Ok(CudaTensor { shape, buf })
+        Ok(CudaTensor {
+            shape,
+            buf: buf.into(),
+        })
     }
 
     fn broadcast(&self, x: &mut CudaTensor, root: usize) -> Result<()> {

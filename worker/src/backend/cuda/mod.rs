@@ -187,6 +187,7 @@ impl CudaBackend {
                 .stream
                 .clone_htod(bytes)
                 .map_err(|e| anyhow::anyhow!("copying a {shape:?} tensor to the GPU: {e:?}"))?
+                .into()
         };
         Ok(CudaTensor {
             shape: shape.to_vec(),
@@ -323,7 +324,7 @@ impl Backend for CudaBackend {
         let mut all = self
             .dev
             .stream
-            .clone_dtoh(&t.buf)
+            .clone_dtoh(&*t.buf)
             .map_err(|e| anyhow::anyhow!("copying a {:?} tensor from the GPU: {e:?}", t.shape))
             .context("a kernel of this step may have failed")?;
         all.truncate(bytes);
@@ -342,7 +343,10 @@ impl Backend for CudaBackend {
             .ops
             .alloc_zeros(shape.iter().product())
             .with_context(|| format!("allocating a KV cache layer of {num_blocks} blocks"))?;
-        Ok(CudaTensor { shape, buf })
+        Ok(CudaTensor {
+            shape,
+            buf: buf.into(),
+        })
     }
 
     fn embedding(
@@ -480,8 +484,8 @@ impl Backend for CudaBackend {
         let mut q = self.tensor(vec![t, hq * d])?;
         let args = vllm_kernels::cuda::QkvPrepare {
             qkv: &qkv.buf,
-            q_norm: qk_norm.map(|(w, _, _)| &w.buf),
-            k_norm: qk_norm.map(|(_, w, _)| &w.buf),
+            q_norm: qk_norm.map(|(w, _, _)| &*w.buf),
+            k_norm: qk_norm.map(|(_, w, _)| &*w.buf),
             eps: qk_norm.map_or(0.0, |(_, _, eps)| eps),
             positions: &positions.dev,
             cos_sin: &cos_sin_cache.buf,

@@ -7,12 +7,12 @@ use std::cell::Cell;
 use std::ops::Deref;
 
 use cudarc::driver::CudaSlice;
-use vllm_kernels::cuda::AttentionPlan;
+use vllm_kernels::cuda::{AttentionPlan, DeviceBuf};
 
 /// A row-major tensor of the backend's dtype; `shape[0]` is rows, the rest is columns.
 pub struct CudaTensor {
     pub shape: Vec<usize>,
-    pub buf: CudaSlice<u8>,
+    pub buf: DeviceBuf<u8>,
 }
 
 impl CudaTensor {
@@ -36,6 +36,12 @@ pub trait DeviceHandle {
 impl<T> DeviceHandle for CudaSlice<T> {
     fn release(self) {
         let _ = self.leak();
+    }
+}
+
+impl<T> DeviceHandle for DeviceBuf<T> {
+    fn release(self) {
+        DeviceBuf::release(self);
     }
 }
 

@@ -7,6 +7,7 @@
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
+#                                     batch-bench (decode steps at batch 256, then ncu per kernel)
 #                                     async-check (--async-scheduling vs serial through serve)
 #                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
@@ -346,16 +347,29 @@ tp_70b() {
     echo "BENCH   (rc=${PIPESTATUS[0]})"
 }
 
+# Decode-step time at batch 256 (prompts of 100-1,023 tokens) in the runner, then ncu's
+# per-kernel GPU time over 4 of those steps (graph nodes measured alone, caches and clocks
+# as they run; the test brackets its decode steps with cuProfilerStart/Stop).
+batch_bench() {
+    local t=backend::cuda::tests::graphs::decode_batch_bench
+    "$G/worker_tests" $t --ignored --nocapture
+    VLLM_BENCH_STEPS=4 timeout -k 5 "${BENCH_TIMEOUT:-240}" "$CUDA_HOME/bin/ncu" --profile-from-start off \
+        --graph-profiling node --metrics gpu__time_duration.sum --cache-control none \
+        --clock-control none --csv "$G/worker_tests" $t --ignored --nocapture >"$LOG/ncu.csv" 2>&1
+    echo "BENCH ncu (rc=$?), 4 decode steps:"
+    python3 "$G/ncu_sum.py" "$LOG/ncu.csv" | head -30 | sed 's/^/BENCH /'
+}
+
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS
-export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage latency_8b serve_bench llama_8b \
+export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b
 
 for s in $STAGES; do
     case $s in
     info) stage info bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; ls $CUDA_HOME/lib64 | grep -E 'libnvrtc.so|libcublas.so' | head" ;;
     kernels) stage kernels bash -c "$G/cuda_nvrtc --ignored && $G/cuda_kernels --ignored --test-threads=1 --nocapture" ;;
-    model) stage model "$G/worker_tests" backend::cuda --ignored --skip hf_parity_dump --skip decode_latency_bench --test-threads=1 --nocapture ;;
+    model) stage model "$G/worker_tests" backend::cuda --ignored --skip hf_parity_dump --skip decode_latency_bench --skip decode_batch_bench --test-threads=1 --nocapture ;;
     serve) stage serve serve_stage ;;
     serve-quick) stage serve-quick served_check qwen3-0.6b 16 ;;
     parity) stage parity python3 scripts/hf_parity.py --configs "$G/models" --test-bin "$G/worker_tests" --work /tmp/vllm-rs-parity --out "$LOG/parity.md" ;;
@@ -363,6 +377,7 @@ for s in $STAGES; do
     bench) stage bench bench_stage ;;
     offline-bench) stage offline-bench offline_bench "$MODELS/qwen3-0.6b" ;;
     profile) stage profile profile_stage ;;
+    batch-bench) stage batch-bench batch_bench ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;

@@ -186,7 +186,12 @@ struct DecodeShape {
 }
 
 impl DecodeShape {
-    fn new(dev: &CudaDevice, seqs: usize, keys: usize) -> Self {
+    /// Sequences of the given lengths.
+    fn ragged(dev: &CudaDevice, seq_lens: Vec<i32>) -> Self {
+        let (seqs, keys) = (
+            seq_lens.len(),
+            seq_lens.iter().copied().max().unwrap_or(1) as usize,
+        );
         let blocks_per_seq = keys.div_ceil(BS);
         let per_copy = seqs * blocks_per_seq;
         let bytes = per_copy * BS * HKV * D * 2 * 2;
@@ -210,7 +215,7 @@ impl DecodeShape {
             key_cache: random(dev, kv, 1),
             value_cache: random(dev, kv, 2),
             tables,
-            seq_lens: vec![keys as i32; seqs],
+            seq_lens,
             qsl: (0..=seqs as i32).collect(),
         }
     }
@@ -223,12 +228,14 @@ impl DecodeShape {
 
     /// K and V bytes one call reads.
     fn bytes(&self) -> f64 {
-        (self.seqs * self.keys * HKV * D * 2 * 2) as f64
+        let keys: i32 = self.seq_lens.iter().sum();
+        (keys as usize * HKV * D * 2 * 2) as f64
     }
 
     /// The plan of `kernel`; `partition` replaces its keys per partition: at batch 1 the
     /// fixed grid keeps its partition count (a different `DEC_MIN_PARTITION`), at larger
-    /// batches the keys are split over just enough partitions.
+    /// batches the keys are split over just enough partitions, with shared memory for
+    /// that partition.
     fn plan(&self, ops: &CudaOps, kernel: DecodeKernel, partition: Option<usize>) -> AttentionPlan {
         let kernels = AttentionKernels::flash(true).with_decode_kernel(kernel);
         let mut plan = AttentionPlan::new(
@@ -244,8 +251,10 @@ impl DecodeShape {
             plan.decode_partition = p;
             if self.seqs > 1 {
                 plan.decode_partitions = self.keys.div_ceil(p);
+                plan.decode_smem_partition = p;
+            } else {
+                plan.decode_smem_partition = plan.decode_smem_partition.max(p);
             }
-            plan.decode_smem_partition = plan.decode_smem_partition.max(p);
         }
         plan
     }
@@ -310,11 +319,13 @@ impl DecodeShape {
 }
 
 /// Decode attention alone, every decode kernel (`DecodeKernel`, the three-pass kernel
-/// first as the reference), at the shapes of issue 11: batch 256 × 601 keys (the
-/// nanovllm-256 step) and batch 1 × 384 keys (single-request latency, the combine
-/// included), for Qwen3-0.6B (16 q / 8 kv heads) and Qwen3-8B (32 / 8), head size 128,
-/// bf16. Each row also tries other keys per partition than the plan's (`part N`), and
-/// prints the largest difference from the three-pass kernel's output with its plan.
+/// first as the reference), at the shapes of issue 11: batch 256 × 601 keys, batch 256
+/// of 100 to 1,023 keys (nanovllm-256's mix of lengths, as `decode_batch_bench` in the
+/// worker) and batch 1 × 384 keys (single-request latency, the combine included), for
+/// Qwen3-0.6B (16 q / 8 kv heads) and Qwen3-8B (32 / 8), head size 128, bf16. Each row
+/// also tries other keys per partition than the plan's (`part N`: one partition of 2048
+/// was the batch-256 CUDA graph's before `DEC_MIN_GRID_PARTITIONS`), and prints the
+/// largest difference from the three-pass kernel's output with its plan.
 ///
 ///   cuda_bench decode_attention --ignored --nocapture   (scripts/gpu_round.sh kernel-bench)
 #[test]
@@ -322,11 +333,22 @@ impl DecodeShape {
 fn decode_attention() {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
-    for (seqs, keys, partitions) in [
-        (256, 601, &[None, Some(512), Some(320), Some(160)][..]),
-        (1, 384, &[None, Some(64), Some(128), Some(256)][..]),
+    let ragged: Vec<i32> = (0..256).map(|i| 100 + (i * 379) % 924).collect();
+    let big = &[
+        None,
+        Some(2048),
+        Some(1024),
+        Some(512),
+        Some(256),
+        Some(128),
+    ][..];
+    for (lens, partitions) in [
+        (vec![601; 256], big),
+        (ragged, big),
+        (vec![384], &[None, Some(64), Some(128), Some(256)][..]),
     ] {
-        let mut shape = DecodeShape::new(&dev, seqs, keys);
+        let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
+        let mut shape = DecodeShape::ragged(&dev, lens);
         for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
             shape.set_q_heads(&dev, hq);
             let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
@@ -334,11 +356,16 @@ fn decode_attention() {
             for kernel in DecodeKernel::ALL {
                 for &partition in partitions {
                     let plan = shape.plan(&ops, kernel, partition);
+                    if plan.decode_shared_bytes(D) > 48 * 1024 {
+                        continue; // past the shared memory a block takes without opting in
+                    }
                     let (s, out) = shape.run(&dev, &ops, &plan);
                     let diff = max_abs_diff(&out, &reference);
                     let what = format!(
-                        "decode {model} {seqs}x{keys} {kernel:?} part {}x{}",
-                        plan.decode_partitions, plan.decode_partition
+                        "decode {model} {seqs}x{mean}{} {kernel:?} part {}x{}",
+                        if shape.keys == mean { "" } else { "~" },
+                        plan.decode_partitions,
+                        plan.decode_partition
                     );
                     println!(
                         "BENCH decode_attention {what:<48} {:>8.2} us {:>6.3} TB/s \

@@ -20,6 +20,39 @@ fn cuda_runner_pdl(
     enforce_eager: bool,
     pdl: bool,
 ) -> crate::model_runner::ModelRunner<CudaBackend> {
+    let mut r = runner_for(preset, dtype, enforce_eager, pdl, RunnerShape::default());
+    r.capture_cuda_graphs().unwrap();
+    r
+}
+
+/// The sizes a test runner is built for.
+#[derive(Clone, Copy)]
+struct RunnerShape {
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    max_model_len: usize,
+    num_blocks: usize,
+}
+
+impl Default for RunnerShape {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 8,
+            max_num_batched_tokens: 2048,
+            max_model_len: 1024,
+            num_blocks: 64,
+        }
+    }
+}
+
+/// A runner of `shape` with its KV cache, before its graphs are captured.
+fn runner_for(
+    preset: &str,
+    dtype: Option<&str>,
+    enforce_eager: bool,
+    pdl: bool,
+    shape: RunnerShape,
+) -> crate::model_runner::ModelRunner<CudaBackend> {
     use crate::model_runner::{ModelRunner, WorkerConfig};
     let cfg = WorkerConfig {
         model_dir: model_dir(preset),
@@ -28,12 +61,12 @@ fn cuda_runner_pdl(
         device: "cuda".into(),
         dtype: dtype.map(str::to_string),
         block_size: 16,
-        max_model_len: Some(1024),
-        max_num_batched_tokens: 2048,
-        max_num_seqs: 8,
+        max_model_len: Some(shape.max_model_len as u32),
+        max_num_batched_tokens: shape.max_num_batched_tokens as u32,
+        max_num_seqs: shape.max_num_seqs as u32,
         kv_cache_memory_bytes: 0,
         gpu_memory_utilization: 0.9,
-        num_gpu_blocks_override: Some(64),
+        num_gpu_blocks_override: Some(shape.num_blocks as u32),
         seed: 0,
         load_format: Default::default(),
         attention_backend: Default::default(),
@@ -43,21 +76,29 @@ fn cuda_runner_pdl(
     let mut r = ModelRunner::load_cuda(&cfg, None).unwrap();
     r.backend_mut().ops.pdl &= pdl;
     r.profile_cuda().unwrap();
-    r.initialize_kv_cache(64).unwrap();
-    r.capture_cuda_graphs().unwrap();
+    r.initialize_kv_cache(shape.num_blocks as u32).unwrap();
     r
 }
 
 /// Greedy decoding of `prompts` (one prefill step, then `steps` decode steps of the whole
 /// batch) through `execute_model_cuda`: each request's tokens, and each decode step's
-/// wall time in ms.
+/// wall time in ms. The runner's 64 blocks are split evenly between the prompts.
 fn greedy_decode(
     r: &mut crate::model_runner::ModelRunner<CudaBackend>,
     prompts: &[Vec<u32>],
     steps: usize,
 ) -> (Vec<Vec<u32>>, Vec<f64>) {
+    greedy_decode_in(r, prompts, steps, 64 / prompts.len())
+}
+
+/// `greedy_decode` with `per_req` blocks for each prompt.
+fn greedy_decode_in(
+    r: &mut crate::model_runner::ModelRunner<CudaBackend>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    per_req: usize,
+) -> (Vec<Vec<u32>>, Vec<f64>) {
     use vllm_protocol::{CachedRequestData, NewRequestData, SchedulerOutput};
-    let per_req = 64 / prompts.len();
     let params = SamplingParams {
         temperature: 0.0,
         max_tokens: steps as u32 + 1,
@@ -96,6 +137,10 @@ fn greedy_decode(
         }
     };
     record(&mut out, r.execute_model_cuda(&first).unwrap());
+    // Under `ncu --profile-from-start off` only the decode steps are profiled; without a
+    // profiler attached these calls do nothing.
+    // SAFETY: plain driver calls on the runner's current context.
+    unsafe { cudarc::driver::sys::cuProfilerStart() };
     let mut times = Vec::with_capacity(steps);
     for step in 0..steps {
         let so = SchedulerOutput {
@@ -119,6 +164,8 @@ fn greedy_decode(
         record(&mut out, r.execute_model_cuda(&so).unwrap());
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
+    // SAFETY: as cuProfilerStart above.
+    unsafe { cudarc::driver::sys::cuProfilerStop() };
     (out, times)
 }
 
@@ -189,4 +236,51 @@ fn decode_latency_bench() {
             );
         }
     }
+}
+
+/// Decode-step time at a serving batch through the CUDA runner, graphs on: VLLM_BENCH_BATCH
+/// sequences (default 256) of the Qwen3-0.6B shape with prompts of 100 to 1,023 tokens
+/// (nanovllm-256's range), then VLLM_BENCH_STEPS decode steps (default 32). Run under
+/// `ncu --profile-from-start off` it profiles the decode steps only (the `batch-bench`
+/// stage of scripts/gpu_round.sh).
+#[test]
+#[ignore]
+fn decode_batch_bench() {
+    if !gpu_present() {
+        return;
+    }
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (batch, steps) = (env("VLLM_BENCH_BATCH", 256), env("VLLM_BENCH_STEPS", 32));
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|i| {
+            let len = 100 + (i * 379) % 924;
+            (0..len as u32)
+                .map(|j| (j * 31 + 7 + i as u32) % 1000)
+                .collect()
+        })
+        .collect();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) + steps + 1;
+    let per_req = longest.div_ceil(16);
+    let shape = RunnerShape {
+        max_num_seqs: batch,
+        max_num_batched_tokens: prompts.iter().map(Vec::len).sum::<usize>().max(2048),
+        max_model_len: per_req * 16,
+        num_blocks: per_req * batch,
+    };
+    let mut r = runner_for("qwen3-0.6b", None, false, true, shape);
+    r.capture_cuda_graphs().unwrap();
+    let (_, mut times) = greedy_decode_in(&mut r, &prompts, steps, per_req);
+    let mean = times.iter().sum::<f64>() / times.len() as f64;
+    times.sort_by(f64::total_cmp);
+    let keys = prompts.iter().map(Vec::len).sum::<usize>() / batch;
+    println!(
+        "BENCH decode step qwen3-0.6b batch {batch} (mean prompt {keys}, graphs): mean {mean:.3} \
+         ms/step, p50 {:.3} ({steps} steps)",
+        times[times.len() / 2]
+    );
 }

@@ -531,7 +531,13 @@ impl CudaOps {
         };
         // SAFETY: sizes checked above; positions and slots are checked against the
         // rotary table and the cache by the caller.
-        launch!(unsafe self, qkv_prepare, rows_cfg(t, QKV_THREADS); &args)
+        let warps = (QKV_THREADS / 32) as usize;
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, (hq + 2 * hkv).div_ceil(warps) as u32, 1),
+            block_dim: (QKV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(unsafe self, qkv_prepare, cfg; &args)
     }
 
     /// out [rows, width] = x[:, start..start + width] of x [rows, cols].

@@ -10,8 +10,10 @@
 // the norm's output is rounded to the dtype before the rotary reads it, and each rotary
 // product is rounded before the sum (see rotary.cu).
 //
-// One block per token; each warp takes whole heads, staged in shared memory so that a
-// lane can read the other half of its rotary pair.
+// One warp per head, QKV_WARPS heads a block (grid: tokens × head groups), each head
+// staged in shared memory so that a lane can read the other half of its rotary pair. A
+// head is a chain of dependent loads (row, norm, cos/sin): with one block walking a
+// token's 32 heads four at a time the kernel took 12 µs at batch 1 on an H100.
 
 #define QKV_WARPS 4
 #define QKV_MAX_HEAD_DIM 256
@@ -40,50 +42,49 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
     const int heads = hq + 2 * hkv;
+    const int head = blockIdx.y * QKV_WARPS + warp;
+    if (head >= heads) return;
     const int slot = a.slot_mapping[t];
     const long long kv_row = (long long)hkv * d;
     const scalar_t* row = a.qkv + t * heads * d;
     const scalar_t* cs = a.cos_sin + (long long)a.positions[t] * a.rotary_dim;
     const int half = a.rotary_dim / 2;
     float* h = staged[warp];
-    for (int head = warp; head < heads; head += QKV_WARPS) {
-        const scalar_t* src = row + (long long)head * d;
-        const bool is_q = head < hq;
-        if (head >= hq + hkv) {  // a v head: copied to the cache as it is
-            if (slot >= 0) {
-                scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d;
-                for (int i = lane; i < d; i += 32) dst[i] = src[i];
-            }
-            continue;
+    const scalar_t* src = row + (long long)head * d;
+    const bool is_q = head < hq;
+    if (head >= hq + hkv) {  // a v head: copied to the cache as it is
+        if (slot >= 0) {
+            scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d;
+            for (int i = lane; i < d; i += 32) dst[i] = src[i];
         }
-        if (!is_q && slot < 0) continue;  // the k of a padding token goes nowhere
-        const scalar_t* w = is_q ? a.q_norm : a.k_norm;
-        float ss = 0.f;
-        for (int i = lane; i < d; i += 32) {
-            const float v = to_f32(src[i]);
-            h[i] = v;
-            ss += v * v;
+        return;
+    }
+    if (!is_q && slot < 0) return;  // the k of a padding token goes nowhere
+    const scalar_t* w = is_q ? a.q_norm : a.k_norm;
+    float ss = 0.f;
+    for (int i = lane; i < d; i += 32) {
+        const float v = to_f32(src[i]);
+        h[i] = v;
+        ss += v * v;
+    }
+    if (w != nullptr) {
+        ss = warp_sum(ss);
+        const float inv = 1.f / sqrtf(ss / (float)d + a.eps);
+        for (int i = lane; i < d; i += 32) h[i] = round_t(round_t(h[i] * inv) * to_f32(w[i]));
+    }
+    __syncwarp();
+    scalar_t* dst = is_q ? a.q_out + (t * hq + head) * d
+                         : a.key_cache + slot * kv_row + (long long)(head - hq) * d;
+    for (int i = lane; i < d; i += 32) {
+        float o = h[i];
+        if (i < half) {
+            const float c = to_f32(cs[i]), s = to_f32(cs[half + i]);
+            o = round_t(h[i] * c) + round_t(-h[i + half] * s);
+        } else if (i < a.rotary_dim) {
+            const int j = i - half;
+            const float c = to_f32(cs[j]), s = to_f32(cs[half + j]);
+            o = round_t(h[i] * c) + round_t(h[j] * s);
         }
-        if (w != nullptr) {
-            ss = warp_sum(ss);
-            const float inv = 1.f / sqrtf(ss / (float)d + a.eps);
-            for (int i = lane; i < d; i += 32) h[i] = round_t(round_t(h[i] * inv) * to_f32(w[i]));
-        }
-        __syncwarp();
-        scalar_t* dst = is_q ? a.q_out + (t * hq + head) * d
-                             : a.key_cache + slot * kv_row + (long long)(head - hq) * d;
-        for (int i = lane; i < d; i += 32) {
-            float o = h[i];
-            if (i < half) {
-                const float c = to_f32(cs[i]), s = to_f32(cs[half + i]);
-                o = round_t(h[i] * c) + round_t(-h[i + half] * s);
-            } else if (i < a.rotary_dim) {
-                const int j = i - half;
-                const float c = to_f32(cs[j]), s = to_f32(cs[half + j]);
-                o = round_t(h[i] * c) + round_t(h[j] * s);
-            }
-            dst[i] = from_f32(o);
-        }
-        __syncwarp();  // the next head overwrites `h`
+        dst[i] = from_f32(o);
     }
 }

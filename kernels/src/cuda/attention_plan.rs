@@ -39,6 +39,13 @@ pub const DEC_MIN_PARTITION: usize = 32;
 /// The longest decode partition: when the batch fills the GPU several times over, longer
 /// partitions save the partials and their combine.
 pub const DEC_MAX_PARTITION: usize = 2048;
+/// The fewest partitions of a fixed decode grid, however many sequences fill the GPU: a
+/// long sequence's keys spread over several blocks, so that a batch of mixed lengths
+/// does not end waiting on its longest sequences' blocks. On an H100, 256 sequences of
+/// 100 to 1,023 keys (Qwen3-0.6B, `cuda_bench decode_attention`) took 247.8 µs in one
+/// partition of up to 2,048 keys, 235.3 µs in 2 of 512 and 233.6 µs in 4 of 256 (8 of
+/// 128: 238.5); the Qwen3-8B shape 373.2 µs in one, 352.0 µs in 4.
+pub const DEC_MIN_GRID_PARTITIONS: usize = 4;
 /// Dynamic shared memory a decode block may take without opting in to more.
 const DEC_MAX_SHARED: usize = 48 * 1024;
 /// Head sizes with a compiled kernel.
@@ -154,9 +161,9 @@ pub struct DecodeGrid {
 
 impl DecodeGrid {
     /// The grid of `bucket` sequences: enough partitions that the blocks fill the SMs
-    /// twice, each up to the longest partition whose shared memory fits without opting in
-    /// (sized for the largest head). None when the GQA group is too wide for the decode
-    /// kernel.
+    /// twice, and at least `DEC_MIN_GRID_PARTITIONS`, each up to the longest partition
+    /// whose shared memory fits without opting in (sized for the largest head). None when
+    /// the GQA group is too wide for the decode kernel.
     pub fn for_bucket(
         bucket: usize,
         num_q_heads: usize,
@@ -174,7 +181,9 @@ impl DecodeGrid {
             max_partition /= 2;
         }
         let blocks = bucket.max(1) * num_kv_heads;
-        let partitions = (2 * num_sms.max(1)).div_ceil(blocks).clamp(1, 64);
+        let partitions = (2 * num_sms.max(1))
+            .div_ceil(blocks)
+            .clamp(DEC_MIN_GRID_PARTITIONS, 64);
         Some(Self {
             partitions,
             max_partition,
@@ -446,9 +455,15 @@ mod tests {
             (three.decode_partition, three.decode_partitions),
             (four.decode_partition, four.decode_partitions)
         );
-        // Past the grid's reach the partition follows the lengths again.
+        // A batch that fills the GPU many times still spreads its longest sequences over
+        // DEC_MIN_GRID_PARTITIONS blocks: 256 sequences of up to 1,023 keys, 256 a block.
         let qsl: Vec<i32> = (0..=256).collect();
         let grid = DecodeGrid::for_bucket(256, 16, 8, 132).unwrap();
+        assert_eq!(grid.partitions, DEC_MIN_GRID_PARTITIONS);
+        let lens: Vec<i32> = (0..256).map(|i| 100 + (i * 379) % 924).collect();
+        let p = AttentionPlan::new(&qsl, &lens, 16, 8, 132, FLASH).unwrap();
+        assert_eq!((p.decode_partitions, p.decode_partition), (4, 256));
+        // Past the grid's reach the partition follows the lengths again.
         let long = grid.max_keys() as i32 + 1;
         let p = AttentionPlan::new(&qsl, &[long; 256], 16, 8, 132, FLASH).unwrap();
         assert!(p.decode_partitions * p.decode_partition >= long as usize);

@@ -116,7 +116,12 @@ impl<'a> Ctx<'a> {
         self.gpu.dev.stream.clone_htod(v).expect("upload ints")
     }
     fn poisoned(&self, n: usize) -> CudaSlice<u8> {
-        let mut b = self.gpu.dev.stream.alloc_zeros(n * self.dtype.size()).expect("alloc");
+        let mut b = self
+            .gpu
+            .dev
+            .stream
+            .alloc_zeros(n * self.dtype.size())
+            .expect("alloc");
         self.ops.fill(&mut b, n, f32::NAN).expect("fill");
         b
     }
@@ -652,7 +657,7 @@ fn attention_case_with(
          decode {:?} partitions {}×{}",
         plan.tile_kernel,
         plan.num_splits,
-        kernels.decode_kernel,
+        plan.decode_kernel,
         plan.decode_partitions,
         plan.decode_partition
     );

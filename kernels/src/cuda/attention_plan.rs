@@ -58,17 +58,27 @@ pub enum DecodeKernel {
     /// `paged_attention_decode_d*_g*`: scores into shared memory, softmax, then V.
     ThreePass,
     /// `paged_attention_decode1_d*_g*`: one pass with an online softmax, K and V of a
-    /// key loaded together. Kept beside the default for the bench and the tests: on the
-    /// H100 it lost at GQA group 2 and won at group 4 (docs/BENCHMARKS.md, "Decode
-    /// attention kernels"), a per-group choice not yet checked through the whole model.
+    /// key loaded together.
     OnePass,
 }
 
-/// The decode kernel of the flash backend.
-pub const DEFAULT_DECODE_KERNEL: DecodeKernel = DecodeKernel::ThreePass;
-
 impl DecodeKernel {
     pub const ALL: [Self; 2] = [Self::ThreePass, Self::OnePass];
+
+    /// The flash backend's kernel for a decode batch of `bucket` (`decode_bucket`)
+    /// sequences. On an H100 (`cuda_bench decode_attention`) one sequence of 384 keys in
+    /// 32-key partitions took 8.24 µs one-pass against 8.74 three-pass (Qwen3-0.6B, GQA
+    /// group 2) and 9.77 against 11.54 (Qwen3-8B, group 4), while at batch 256 three-pass
+    /// won (256 sequences of 100 to 1,023 keys, 4 partitions: 233.6 against 289.4 µs and
+    /// 352.0 against 371.8). The small buckets' fixed grids split a sequence into short
+    /// partitions as at batch 1, so they take one-pass.
+    pub fn for_bucket(bucket: usize) -> Self {
+        if bucket <= 8 {
+            Self::OnePass
+        } else {
+            Self::ThreePass
+        }
+    }
 }
 
 /// Which attention kernels a backend uses: `--attention-backend cuda-core` (the first,
@@ -78,14 +88,15 @@ impl DecodeKernel {
 pub struct AttentionKernels {
     pub decode: bool,
     pub tensor_core_prefill: bool,
-    pub decode_kernel: DecodeKernel,
+    /// None: `DecodeKernel::for_bucket` picks one for each step.
+    pub decode_kernel: Option<DecodeKernel>,
 }
 
 impl AttentionKernels {
     pub const CUDA_CORE: Self = Self {
         decode: false,
         tensor_core_prefill: false,
-        decode_kernel: DEFAULT_DECODE_KERNEL,
+        decode_kernel: None,
     };
 
     /// The flash kernels; tensor cores only for 16-bit dtypes.
@@ -93,14 +104,14 @@ impl AttentionKernels {
         Self {
             decode: true,
             tensor_core_prefill: sixteen_bit,
-            decode_kernel: DEFAULT_DECODE_KERNEL,
+            decode_kernel: None,
         }
     }
 
-    /// The same kernels with `decode_kernel` for the one-token sequences.
+    /// The same kernels with `decode_kernel` for every step's one-token sequences.
     pub fn with_decode_kernel(self, decode_kernel: DecodeKernel) -> Self {
         Self {
-            decode_kernel,
+            decode_kernel: Some(decode_kernel),
             ..self
         }
     }
@@ -252,7 +263,7 @@ impl AttentionPlan {
             split_keys: i32::MAX as usize,
             decode_seqs: Vec::new(),
             decode_group: group.next_power_of_two(),
-            decode_kernel: kernels.decode_kernel,
+            decode_kernel: DecodeKernel::ThreePass,
             decode_partition: DEC_PARTITION,
             decode_partitions: 0,
             decode_smem_partition: DEC_PARTITION,
@@ -283,6 +294,9 @@ impl AttentionPlan {
                 t += tokens_per_tile as i32;
             }
         }
+        plan.decode_kernel = kernels
+            .decode_kernel
+            .unwrap_or_else(|| DecodeKernel::for_bucket(decode_bucket(plan.decode_seqs.len())));
         if tile_kernel == TileKernel::CudaCore {
             (plan.num_splits, plan.split_keys) =
                 cuda_core_splits(plan.num_tiles() * num_kv_heads, max_tile_keys, num_sms);
@@ -369,13 +383,32 @@ mod tests {
     const FLASH: AttentionKernels = AttentionKernels {
         decode: true,
         tensor_core_prefill: true,
-        decode_kernel: DecodeKernel::ThreePass,
+        decode_kernel: Some(DecodeKernel::ThreePass),
     };
     const FLASH_F32: AttentionKernels = AttentionKernels {
         decode: true,
         tensor_core_prefill: false,
-        decode_kernel: DecodeKernel::ThreePass,
+        decode_kernel: Some(DecodeKernel::ThreePass),
     };
+
+    #[test]
+    fn the_flash_backend_takes_one_pass_decode_for_small_batches_only() {
+        let flash = AttentionKernels::flash(true);
+        for (n, want) in [
+            (1, DecodeKernel::OnePass),
+            (8, DecodeKernel::OnePass),
+            (9, DecodeKernel::ThreePass),
+            (256, DecodeKernel::ThreePass),
+        ] {
+            let qsl: Vec<i32> = (0..=n as i32).collect();
+            let p = AttentionPlan::new(&qsl, &vec![300; n], 32, 8, 132, flash).unwrap();
+            assert_eq!(p.decode_kernel, want, "{n} sequences");
+            // A kernel asked for is kept.
+            let asked = flash.with_decode_kernel(DecodeKernel::ThreePass);
+            let p = AttentionPlan::new(&qsl, &vec![300; n], 32, 8, 132, asked).unwrap();
+            assert_eq!(p.decode_kernel, DecodeKernel::ThreePass);
+        }
+    }
 
     #[test]
     fn tiles_cover_every_prefill_token_once_and_decodes_go_to_the_decode_kernel() {

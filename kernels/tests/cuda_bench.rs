@@ -186,8 +186,8 @@ struct DecodeShape {
 }
 
 impl DecodeShape {
-    /// Sequences of the given lengths.
-    fn ragged(dev: &CudaDevice, seq_lens: Vec<i32>) -> Self {
+    /// Decode sequences of the given lengths.
+    fn new(dev: &CudaDevice, seq_lens: Vec<i32>) -> Self {
         let (seqs, keys) = (
             seq_lens.len(),
             seq_lens.iter().copied().max().unwrap_or(1) as usize,
@@ -348,7 +348,7 @@ fn decode_attention() {
         (vec![384], &[None, Some(64), Some(128), Some(256)][..]),
     ] {
         let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
-        let mut shape = DecodeShape::ragged(&dev, lens);
+        let mut shape = DecodeShape::new(&dev, lens);
         for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
             shape.set_q_heads(&dev, hq);
             let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);

@@ -198,11 +198,20 @@ impl CudaGraphs {
                 })?;
             graphs.insert(shape.batch, graph);
         }
+        let (arena_mib, allocation_nodes) = (arena.high_water() >> 20, arena.fallbacks());
         tracing::info!(
-            arena_mib = arena.high_water() / (1 << 20),
-            allocation_nodes = arena.fallbacks(),
+            arena_mib,
+            allocation_nodes,
             "activations of the CUDA graphs"
         );
+        if allocation_nodes > 0 {
+            // Correct still, but those nodes keep PDL from joining the kernels around them.
+            tracing::warn!(
+                allocation_nodes,
+                "some graph buffers did not fit the capture arena and were allocated inside \
+                 the capture"
+            );
+        }
         Ok(Self {
             shapes,
             graphs,

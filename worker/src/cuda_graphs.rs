@@ -284,12 +284,10 @@ fn arena_for(
 ) -> Result<CaptureArena> {
     let meta = b.upload_step(&capture_step(largest))?;
     let measuring = CaptureArena::measuring();
-    b.ops.set_capture_arena(Some(measuring.clone()))?;
-    let pass = model
-        .forward(b, &meta, cache)
-        .and_then(|hidden| model.compute_logits(b, &hidden, &meta));
-    b.ops.set_capture_arena(None)?;
-    drop(pass?);
+    b.ops.with_capture_arena(&measuring, || {
+        let hidden = model.forward(b, &meta, cache)?;
+        model.compute_logits(b, &hidden, &meta).map(drop)
+    })?;
     let bytes = measuring.high_water();
     CaptureArena::backed(&b.dev.stream, bytes + bytes / 8)
 }
@@ -309,23 +307,22 @@ fn capture_one(
     // stream-ordered pool) happens outside the capture.
     drop(model.compute_logits(b, &model.forward(b, &meta, cache)?, &meta)?);
     let stream = &b.dev.stream;
-    b.ops.set_capture_arena(Some(arena.clone()))?;
-    if let Err(e) = stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
-        b.ops.set_capture_arena(None)?;
-        anyhow::bail!("CUDA driver: beginning a capture failed: {e:?}");
-    }
-    let forward = (|| -> Result<()> {
-        let hidden = model.forward(b, &meta, cache)?;
-        let logits = model.compute_logits(b, &hidden, &meta)?;
-        let row = logits.cols() * b.dtype().size();
-        b.ops
-            .copy_2d(&logits.buf, 0, row, &mut out.buf, 0, row, row, shape.batch)
-        // Every tensor of the pass gives its range back to the arena here, so that the
-        // next capture starts from an empty one.
-    })();
-    // The capture must end whatever happened, or the stream stays in capture mode.
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-    b.ops.set_capture_arena(None)?;
+    let (graph, forward) = b.ops.with_capture_arena(arena, || {
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| anyhow::anyhow!("CUDA driver: beginning a capture failed: {e:?}"))?;
+        let forward = (|| -> Result<()> {
+            let hidden = model.forward(b, &meta, cache)?;
+            let logits = model.compute_logits(b, &hidden, &meta)?;
+            let row = logits.cols() * b.dtype().size();
+            b.ops
+                .copy_2d(&logits.buf, 0, row, &mut out.buf, 0, row, row, shape.batch)
+            // Every tensor of the pass gives its range back to the arena here, so that
+            // the next capture starts from an empty one.
+        })();
+        // The capture must end whatever happened, or the stream stays in capture mode.
+        Ok((stream.end_capture(CUgraphInstantiate_flags(0)), forward))
+    })?;
     forward?;
     let graph = graph
         .map_err(|e| anyhow::anyhow!("CUDA driver: ending a capture failed: {e:?}"))?

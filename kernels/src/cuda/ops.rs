@@ -278,24 +278,30 @@ impl CudaOps {
     }
 
     fn alloc_of<T: cudarc::driver::DeviceRepr>(&self, len: usize) -> Result<DeviceBuf<T>> {
-        let arena = self
-            .capture_arena
-            .lock()
-            .map_err(|_| anyhow::anyhow!("a panic held the arena"))?;
-        match arena.as_ref() {
+        match self.arena_slot()?.as_ref() {
             Some(a) => a.alloc(&self.stream, len),
             None => DeviceBuf::pool(&self.stream, len),
         }
     }
 
-    /// Hands out the buffers of `alloc` and of the attention partials from `arena` until
-    /// called with None (the graph captures, capture_arena.rs).
-    pub fn set_capture_arena(&self, arena: Option<CaptureArena>) -> Result<()> {
-        *self
-            .capture_arena
+    /// Runs `f` with the buffers of `alloc` and of the attention partials taken from
+    /// `arena` (the graph captures, capture_arena.rs); the pool serves them again after,
+    /// whether `f` succeeded or not.
+    pub fn with_capture_arena<R>(
+        &self,
+        arena: &CaptureArena,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        *self.arena_slot()? = Some(arena.clone());
+        let out = f();
+        *self.arena_slot()? = None;
+        out
+    }
+
+    fn arena_slot(&self) -> Result<std::sync::MutexGuard<'_, Option<CaptureArena>>> {
+        self.capture_arena
             .lock()
-            .map_err(|_| anyhow::anyhow!("a panic held the arena"))? = arena;
-        Ok(())
+            .map_err(|_| anyhow::anyhow!("a panic held the capture arena"))
     }
 
     pub fn alloc_zeros(&self, elems: usize) -> Result<CudaSlice<u8>> {

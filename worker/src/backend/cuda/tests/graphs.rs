@@ -20,9 +20,7 @@ fn cuda_runner_pdl(
     enforce_eager: bool,
     pdl: bool,
 ) -> crate::model_runner::ModelRunner<CudaBackend> {
-    let mut r = runner_for(preset, dtype, enforce_eager, pdl, RunnerShape::default());
-    r.capture_cuda_graphs().unwrap();
-    r
+    runner_for(preset, dtype, enforce_eager, pdl, RunnerShape::default())
 }
 
 /// The sizes a test runner is built for.
@@ -45,7 +43,7 @@ impl Default for RunnerShape {
     }
 }
 
-/// A runner of `shape` with its KV cache, before its graphs are captured.
+/// A runner of `shape` with its KV cache and (unless `enforce_eager`) its graphs.
 fn runner_for(
     preset: &str,
     dtype: Option<&str>,
@@ -77,6 +75,7 @@ fn runner_for(
     r.backend_mut().ops.pdl &= pdl;
     r.profile_cuda().unwrap();
     r.initialize_kv_cache(shape.num_blocks as u32).unwrap();
+    r.capture_cuda_graphs().unwrap();
     r
 }
 
@@ -205,6 +204,13 @@ fn cuda_graphs_and_eager_give_identical_greedy_output() {
     }
 }
 
+/// The mean of `times`, and `times` sorted (for its percentiles).
+fn mean_and_sorted(mut times: Vec<f64>) -> (f64, Vec<f64>) {
+    let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+    times.sort_by(f64::total_cmp);
+    (mean, times)
+}
+
 /// Single-request decode latency through the CUDA runner (`execute_model_cuda`: inputs,
 /// forward, GPU sampling, token back on the host; no IPC). Presets from
 /// VLLM_BENCH_PRESETS (default qwen3-0.6b); a 128-token prompt, then 256 decode steps.
@@ -219,9 +225,8 @@ fn decode_latency_bench() {
         for (enforce_eager, pdl) in [(false, true), (false, false), (true, true), (true, false)] {
             let mut r = cuda_runner_pdl(preset, None, enforce_eager, pdl);
             let prompt: Vec<u32> = (0..128u32).map(|i| (i * 31 + 7) % 1000).collect();
-            let (_, mut times) = greedy_decode(&mut r, &[prompt], 256);
-            times.sort_by(f64::total_cmp);
-            let mean = times.iter().sum::<f64>() / times.len() as f64;
+            let (_, times) = greedy_decode(&mut r, &[prompt], 256);
+            let (mean, times) = mean_and_sorted(times);
             let mode = match (enforce_eager, r.backend_mut().ops.pdl) {
                 (false, true) => "graphs",
                 (false, false) => "graphs, no PDL",
@@ -273,10 +278,8 @@ fn decode_batch_bench() {
         num_blocks: per_req * batch,
     };
     let mut r = runner_for("qwen3-0.6b", None, false, true, shape);
-    r.capture_cuda_graphs().unwrap();
-    let (_, mut times) = greedy_decode_in(&mut r, &prompts, steps, per_req);
-    let mean = times.iter().sum::<f64>() / times.len() as f64;
-    times.sort_by(f64::total_cmp);
+    let (_, times) = greedy_decode_in(&mut r, &prompts, steps, per_req);
+    let (mean, times) = mean_and_sorted(times);
     let keys = prompts.iter().map(Vec::len).sum::<usize>() / batch;
     println!(
         "BENCH decode step qwen3-0.6b batch {batch} (mean prompt {keys}, graphs): mean {mean:.3} \

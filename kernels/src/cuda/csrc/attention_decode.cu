@@ -43,16 +43,64 @@ struct DecodeArgs {
     float scale;
 };
 
+#if defined(VLLM_DTYPE_F32)
+struct Row8 {  // eight consecutive elements of a K or V row, as loaded
+    float4 a, b;
+};
+#else
+struct Row8 {
+    uint4 a;
+};
+#endif
+
+__device__ __forceinline__ Row8 load_row8(const scalar_t* p) {
+    Row8 r;
+#if defined(VLLM_DTYPE_F32)
+    r.a = reinterpret_cast<const float4*>(p)[0];
+    r.b = reinterpret_cast<const float4*>(p)[1];
+#else
+    r.a = *reinterpret_cast<const uint4*>(p);
+#endif
+    return r;
+}
+
+// Zeros, for keys past the partition: their V must not be stale cache contents (0 · NaN).
+__device__ __forceinline__ Row8 zero_row8() {
+    Row8 r;
+#if defined(VLLM_DTYPE_F32)
+    r.a.x = r.a.y = r.a.z = r.a.w = 0.f;
+    r.b.x = r.b.y = r.b.z = r.b.w = 0.f;
+#else
+    r.a.x = r.a.y = r.a.z = r.a.w = 0u;
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void unpack_row8(const Row8& r, float* out) {
+#if defined(VLLM_DTYPE_F32)
+    out[0] = r.a.x; out[1] = r.a.y; out[2] = r.a.z; out[3] = r.a.w;
+    out[4] = r.b.x; out[5] = r.b.y; out[6] = r.b.z; out[7] = r.b.w;
+#else
+    unpack16(r.a, out);
+#endif
+}
+
 // Eight consecutive elements as f32 (the address is 8-element aligned).
 __device__ __forceinline__ void load8(const scalar_t* p, float* out) {
-#if defined(VLLM_DTYPE_F32)
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-#else
-    unpack16(*reinterpret_cast<const uint4*>(p), out);
-#endif
+    unpack_row8(load_row8(p), out);
+}
+
+// This lane's rows of one step's keys (base + grp + NG·u for u < DEC_UNROLL) at their
+// cache offsets `slots` (from the partition's first key), zeros past its end.
+template <int NG>
+__device__ __forceinline__ void load_step(Row8* rows, const scalar_t* lane,
+                                          const long long* slots, int base, int k_begin,
+                                          int k_end, int grp) {
+#pragma unroll
+    for (int u = 0; u < DEC_UNROLL; ++u) {
+        const int k = base + grp + NG * u;
+        rows[u] = k < k_end ? load_row8(lane + slots[k - k_begin]) : zero_row8();
+    }
 }
 
 template <int D, int GP>
@@ -112,31 +160,28 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     const scalar_t* v_lane = a.value_cache + sub * 8;
 
     // Pass 1: scores. Every lane runs the same number of steps (shuffles need the whole
-    // warp); keys past the end are loaded as zeros and not stored.
+    // warp); keys past the end are loaded as zeros and not stored. Each step's rows load
+    // a step ahead, so a lane keeps one step of loads in flight while it scores another.
+    constexpr int STEP = NG * DEC_UNROLL;
     float m[GP];
 #pragma unroll
     for (int h = 0; h < GP; ++h) m[h] = NEG_INF;
-    for (int base = k_begin; base < k_end; base += NG * DEC_UNROLL) {
-        float kf[DEC_UNROLL][8];
+    Row8 rows[DEC_UNROLL];
+    load_step<NG>(rows, k_lane, slots, k_begin, k_begin, k_end, grp);
+    for (int base = k_begin; base < k_end; base += STEP) {
+        Row8 next[DEC_UNROLL];
+        load_step<NG>(next, k_lane, slots, base + STEP, k_begin, k_end, grp);
 #pragma unroll
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
-            if (k < k_end) {
-                load8(k_lane + slots[k - k_begin], kf[u]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) kf[u][e] = 0.f;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < DEC_UNROLL; ++u) {
-            const int k = base + grp + NG * u;
+            float kf[8];
+            unpack_row8(rows[u], kf);
 #pragma unroll
             for (int h = 0; h < GP; ++h) {
                 if (h >= g) break;
                 float dot = 0.f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) dot += q[h][e] * kf[u][e];
+                for (int e = 0; e < 8; ++e) dot += q[h][e] * kf[e];
 #pragma unroll
                 for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
                 if (k < k_end) {
@@ -145,7 +190,11 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
                 }
             }
         }
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; ++u) rows[u] = next[u];
     }
+    // Pass 3's first V rows load while pass 2 runs.
+    load_step<NG>(rows, v_lane, slots, k_begin, k_begin, k_end, grp);
 
     // Pass 2: the block's max and the exponentials.
 #pragma unroll
@@ -181,27 +230,25 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     for (int h = 0; h < GP; ++h)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
-    for (int base = k_begin; base < k_end; base += NG * DEC_UNROLL) {
-        float vf[DEC_UNROLL][8];
-#pragma unroll
-        for (int u = 0; u < DEC_UNROLL; ++u) {
-            const int k = base + grp + NG * u;
-            if (k < k_end) {
-                load8(v_lane + slots[k - k_begin], vf[u]);
-            }
-        }
+    for (int base = k_begin; base < k_end; base += STEP) {
+        Row8 next[DEC_UNROLL];
+        load_step<NG>(next, v_lane, slots, base + STEP, k_begin, k_end, grp);
 #pragma unroll
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
             if (k >= k_end) continue;
+            float vf[8];
+            unpack_row8(rows[u], vf);
 #pragma unroll
             for (int h = 0; h < GP; ++h) {
                 if (h >= g) break;
                 const float p = scores[h * partition + (k - k_begin)];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[h][e] += p * vf[u][e];
+                for (int e = 0; e < 8; ++e) acc[h][e] += p * vf[e];
             }
         }
+#pragma unroll
+        for (int u = 0; u < DEC_UNROLL; ++u) rows[u] = next[u];
     }
     // Sum the key groups: first inside the warp (lanes with the same `sub`), then across
     // warps through shared memory.
@@ -260,48 +307,6 @@ DECODE_KERNELS(128)
 // array lives in shared memory. The block-table entries of the next step's keys are read
 // while the current step's rows load. At the end the groups' states merge: by shuffles
 // inside a warp, then across warps through shared memory.
-
-#if defined(VLLM_DTYPE_F32)
-struct Row8 {  // eight consecutive elements of a K or V row, as loaded
-    float4 a, b;
-};
-#else
-struct Row8 {
-    uint4 a;
-};
-#endif
-
-__device__ __forceinline__ Row8 load_row8(const scalar_t* p) {
-    Row8 r;
-#if defined(VLLM_DTYPE_F32)
-    r.a = reinterpret_cast<const float4*>(p)[0];
-    r.b = reinterpret_cast<const float4*>(p)[1];
-#else
-    r.a = *reinterpret_cast<const uint4*>(p);
-#endif
-    return r;
-}
-
-// Zeros, for keys past the partition: their V must not be stale cache contents (0 · NaN).
-__device__ __forceinline__ Row8 zero_row8() {
-    Row8 r;
-#if defined(VLLM_DTYPE_F32)
-    r.a.x = r.a.y = r.a.z = r.a.w = 0.f;
-    r.b.x = r.b.y = r.b.z = r.b.w = 0.f;
-#else
-    r.a.x = r.a.y = r.a.z = r.a.w = 0u;
-#endif
-    return r;
-}
-
-__device__ __forceinline__ void unpack_row8(const Row8& r, float* out) {
-#if defined(VLLM_DTYPE_F32)
-    out[0] = r.a.x; out[1] = r.a.y; out[2] = r.a.z; out[3] = r.a.w;
-    out[4] = r.b.x; out[5] = r.b.y; out[6] = r.b.z; out[7] = r.b.w;
-#else
-    unpack16(r.a, out);
-#endif
-}
 
 // exp(m - ref): the weight of a softmax state whose max is m against a larger max ref;
 // 0 for a state that has seen no key yet (m = -inf), without the NaN of -inf - -inf.

@@ -359,20 +359,30 @@ fn decode_attention() {
                     if plan.decode_shared_bytes(D) > 48 * 1024 {
                         continue; // past the shared memory a block takes without opting in
                     }
-                    let (s, out) = shape.run(&dev, &ops, &plan);
-                    let diff = max_abs_diff(&out, &reference);
+                    let ragged = shape.keys != mean;
                     let what = format!(
                         "decode {model} {seqs}x{mean}{} {kernel:?} part {}x{}",
-                        if shape.keys == mean { "" } else { "~" },
+                        if ragged { "~" } else { "" },
                         plan.decode_partitions,
                         plan.decode_partition
                     );
-                    println!(
-                        "BENCH decode_attention {what:<48} {:>8.2} us {:>6.3} TB/s \
-                         max|diff| {diff:.2e}",
-                        s * 1e6,
-                        shape.bytes() / s / 1e12
-                    );
+                    let row = |what: &str, plan: &AttentionPlan| {
+                        let (s, out) = shape.run(&dev, &ops, plan);
+                        let diff = max_abs_diff(&out, &reference);
+                        println!(
+                            "BENCH decode_attention {what:<48} {:>8.2} us {:>6.3} TB/s \
+                             max|diff| {diff:.2e}",
+                            s * 1e6,
+                            shape.bytes() / s / 1e12
+                        );
+                    };
+                    row(&what, &plan);
+                    if ragged && kernel == DecodeKernel::ThreePass {
+                        // The plan's longest-first order against the batch's own.
+                        let mut in_batch_order = plan.clone();
+                        in_batch_order.decode_seqs.sort();
+                        row(&format!("{what} batch order"), &in_batch_order);
+                    }
                 }
             }
         }

@@ -711,6 +711,9 @@ fn paged_attention_matches_cpu() {
         // A batch that fills the SMs several times: long single-partition decode blocks.
         let wide: Vec<(usize, usize)> = (0..140).map(|i| ((i * 97) % 1300 + 600, 1)).collect();
         attention_case(&c, &mut r, &wide, 8, 4, 64, 16);
+        // The same at Qwen3-8B's heads: partitions of 1,024 keys, so that the sequences
+        // that fit are written whole by their block and the longer ones are combined.
+        attention_case(&c, &mut r, &wide, 32, 8, 128, 16);
         // Qwen3-8B's group of 4 and Llama-3.1-70B's of 8 at head size 128 (the decode
         // kernels' tuning variants exist there only): decodes of mixed lengths, split too.
         let decodes = [(600, 1), (0, 1), (1500, 1), (37, 1)];

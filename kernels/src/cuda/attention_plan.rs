@@ -39,12 +39,9 @@ pub const DEC_MIN_PARTITION: usize = 32;
 /// The longest decode partition: when the batch fills the GPU several times over, longer
 /// partitions save the partials and their combine.
 pub const DEC_MAX_PARTITION: usize = 2048;
-/// The fewest partitions of a fixed decode grid, however many sequences fill the GPU: a
-/// long sequence's keys spread over several blocks, so that a batch of mixed lengths
-/// does not end waiting on its longest sequences' blocks. On an H100, 256 sequences of
-/// 100 to 1,023 keys (Qwen3-0.6B, `cuda_bench decode_attention`) took 247.8 µs in one
-/// partition of up to 2,048 keys, 235.3 µs in 2 of 512 and 233.6 µs in 4 of 256 (8 of
-/// 128: 238.5); the Qwen3-8B shape 373.2 µs in one, 352.0 µs in 4.
+/// The fewest partitions of a fixed decode grid: they set its reach (the longest
+/// sequence it covers, `DecodeGrid::max_keys`), so that a batch of long sequences keeps
+/// its CUDA graph.
 pub const DEC_MIN_GRID_PARTITIONS: usize = 4;
 /// Dynamic shared memory a decode block may take without opting in to more.
 const DEC_MAX_SHARED: usize = 48 * 1024;
@@ -168,6 +165,9 @@ pub fn decode_bucket(num_seqs: usize) -> usize {
 pub struct DecodeGrid {
     pub partitions: usize,
     pub max_partition: usize,
+    /// The bucket's sequences alone fill every SM several times, so each sequence runs
+    /// in as few partitions as the grid allows (`partition_for`).
+    pub whole_sequences: bool,
 }
 
 impl DecodeGrid {
@@ -198,6 +198,7 @@ impl DecodeGrid {
         Some(Self {
             partitions,
             max_partition,
+            whole_sequences: blocks >= 4 * num_sms.max(1),
         })
     }
 
@@ -207,13 +208,26 @@ impl DecodeGrid {
     }
 
     /// Keys per partition for a longest sequence of `max_keys`: a power of two from
-    /// `DEC_MIN_PARTITION` up, None past the grid's reach. The partitions past the longest
+    /// `DEC_MIN_PARTITION` up, None past the grid's reach. The partitions past a
     /// sequence's end exit at once.
+    ///
+    /// A grid of `whole_sequences` takes the longest partition: a sequence that fits in
+    /// one is written by its block directly, and the combine passes over it. On an H100,
+    /// 256 sequences of 100 to 1,023 keys (Qwen3-0.6B, `cuda_bench decode_attention`,
+    /// blocks longest sequence first) took 204.1 µs in one partition of up to 1,024 keys
+    /// against 213.8 µs in 4 of 256 with their combine; the Qwen3-8B shape 225.0 against
+    /// 250.4 µs. (Before the grid started the longest sequences first, 4 of 256 won:
+    /// 233.6 against 247.8 µs, as the step waited on long sequences that started last.)
     pub fn partition_for(&self, max_keys: usize) -> Option<usize> {
         let p = max_keys
             .div_ceil(self.partitions)
             .max(DEC_MIN_PARTITION)
             .next_power_of_two();
+        let p = if self.whole_sequences {
+            p.max(self.max_partition)
+        } else {
+            p
+        };
         (p <= self.max_partition).then_some(p)
     }
 }
@@ -294,6 +308,12 @@ impl AttentionPlan {
                 t += tokens_per_tile as i32;
             }
         }
+        // Longest first: the decode grid starts its blocks in this order (the sequence is
+        // its slowest dimension), so a batch of mixed lengths does not end waiting on the
+        // blocks of a long sequence that started last. The kernels place each output by
+        // sequence, so the order changes no value.
+        plan.decode_seqs
+            .sort_by_key(|&s| std::cmp::Reverse(seq_lens[s as usize]));
         plan.decode_kernel = kernels
             .decode_kernel
             .unwrap_or_else(|| DecodeKernel::for_bucket(decode_bucket(plan.decode_seqs.len())));
@@ -431,6 +451,17 @@ mod tests {
         assert!(p.decode_seqs.is_empty());
     }
 
+    #[test]
+    fn decode_sequences_run_longest_first_and_prefills_keep_their_order() {
+        // Decodes 0, 2, 3, 5 of 7, 300, 300 and 90 keys; 1 and 4 are prefills.
+        let qsl = [0, 1, 5, 6, 7, 10, 11];
+        let lens = [7, 4, 300, 300, 3, 90];
+        let p = AttentionPlan::new(&qsl, &lens, 16, 8, 132, FLASH).unwrap();
+        // Ties keep the batch order (a stable sort).
+        assert_eq!(p.decode_seqs, vec![2, 3, 5, 0]);
+        assert_eq!(p.tile_seq, vec![1, 4]);
+    }
+
     /// query_start_loc of `decodes` one-token sequences, then one prefill of 4 tokens.
     fn decodes_and_a_prefill(decodes: usize) -> Vec<i32> {
         let mut qsl: Vec<i32> = (0..=decodes as i32).collect();
@@ -488,14 +519,28 @@ mod tests {
             (three.decode_partition, three.decode_partitions),
             (four.decode_partition, four.decode_partitions)
         );
-        // A batch that fills the GPU many times still spreads its longest sequences over
-        // DEC_MIN_GRID_PARTITIONS blocks: 256 sequences of up to 1,023 keys, 256 a block.
+        // A batch that fills the GPU many times runs each sequence in one partition of
+        // the longest kind, while the grid's DEC_MIN_GRID_PARTITIONS keep its reach.
         let qsl: Vec<i32> = (0..=256).collect();
         let grid = DecodeGrid::for_bucket(256, 16, 8, 132).unwrap();
+        assert!(grid.whole_sequences);
         assert_eq!(grid.partitions, DEC_MIN_GRID_PARTITIONS);
+        assert_eq!(grid.max_keys(), DEC_MIN_GRID_PARTITIONS * DEC_MAX_PARTITION);
         let lens: Vec<i32> = (0..256).map(|i| 100 + (i * 379) % 924).collect();
         let p = AttentionPlan::new(&qsl, &lens, 16, 8, 132, FLASH).unwrap();
-        assert_eq!((p.decode_partitions, p.decode_partition), (4, 256));
+        assert_eq!(
+            (p.decode_partitions, p.decode_partition),
+            (4, DEC_MAX_PARTITION)
+        );
+        // Qwen3-8B's group of 4 takes more shared memory a key: partitions of 1,024.
+        let p = AttentionPlan::new(&qsl, &lens, 32, 8, 132, FLASH).unwrap();
+        assert_eq!((p.decode_partitions, p.decode_partition), (4, 1024));
+        // Small buckets split a sequence to fill the SMs.
+        assert!(
+            !DecodeGrid::for_bucket(32, 16, 8, 132)
+                .unwrap()
+                .whole_sequences
+        );
         // Past the grid's reach the partition follows the lengths again.
         let long = grid.max_keys() as i32 + 1;
         let p = AttentionPlan::new(&qsl, &[long; 256], 16, 8, 132, FLASH).unwrap();

@@ -785,6 +785,10 @@ impl CudaOps {
     ) -> Result<()> {
         let (plan, dims, meta) = (c.meta.plan, c.dims, c.meta);
         let num_decode = plan.decode_seqs.len();
+        ensure!(
+            num_decode <= 65_535,
+            "paged attention: {num_decode} decode sequences in one step, past the grid's 65,535"
+        );
         let parts = plan.decode_partitions;
         let part_rows = parts * num_decode * dims.num_q_heads;
         let (part_o, part_ml) = if parts > 1 {
@@ -828,7 +832,9 @@ impl CudaOps {
                 scale: c.scale,
             };
             let cfg = LaunchConfig {
-                grid_dim: (num_decode as u32, dims.num_kv_heads as u32, parts as u32),
+                // The sequence varies slowest, so blocks start in the plan's order of decode
+                // sequences, the longest first (AttentionPlan::new).
+                grid_dim: (dims.num_kv_heads as u32, parts as u32, num_decode as u32),
                 block_dim: (DEC_THREADS, 1, 1),
                 shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
             };
@@ -848,12 +854,21 @@ impl CudaOps {
                 i32_of(dims.head_dim, "head_dim")?,
                 i32_of(parts, "partitions")?,
             );
+            // A block per row, or at large batches a warp per row: most of those rows
+            // were written whole by the decode kernel, and thousands of blocks that only
+            // look up a length took 7 us a layer (batch 256, Qwen3-0.6B).
+            let rows = num_decode * dims.num_q_heads;
+            let (cfg, row_threads) = if rows >= 8 * self.num_sms {
+                (rows_cfg(rows.div_ceil(4), 128), 32i32)
+            } else {
+                (rows_cfg(rows, dims.head_dim as u32), dims.head_dim as i32)
+            };
             // SAFETY: partials sized for (partitions, decode rows) above; the combine
-            // reads the partitions below min(parts, ceil(seq_len / partition)).
-            let cfg = rows_cfg(num_decode * dims.num_q_heads, dims.head_dim as u32);
+            // reads the partitions below min(parts, ceil(seq_len / partition)), and
+            // rows past `rows` exit.
             launch!(unsafe self, paged_attention_decode_combine, cfg;
                 po, pm, meta.decode_seqs, meta.query_start_loc, meta.seq_lens,
-                meta.decode_partition, out, &nd, &hq, &d, &np)?;
+                meta.decode_partition, out, &nd, &hq, &d, &np, &row_threads)?;
         }
         Ok(())
     }

@@ -117,7 +117,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     __shared__ float s_max[DEC_WARPS][GP];
     __shared__ float s_sum[DEC_WARPS][GP];
 
-    const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int kvh = blockIdx.x, part = blockIdx.y, i = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int grp = tid / TG, sub = tid % TG;
     const int seq = a.decode_seqs[i];
@@ -126,12 +126,15 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     const int g = a.num_q_heads / a.num_kv_heads;
     const int k_begin = part * partition;
     const int k_end = min(seq_len, k_begin + partition);
+    // A sequence that fits in one partition is written here whole; the combine passes
+    // over it (at large batches the plan takes partitions that hold most sequences).
+    const bool whole = gridDim.y == 1 || seq_len <= partition;
     const long long q_row0 = (long long)token * a.num_q_heads + (long long)kvh * g;
     // Partial rows are indexed by decode sequence, not by token.
     const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
 
     if (k_begin >= k_end) {  // this partition lies past the sequence's end
-        if (gridDim.z > 1 && tid < g) {
+        if (gridDim.y > 1 && tid < g) {
             a.part_ml[(p_row0 + tid) * 2] = NEG_INF;
             a.part_ml[(p_row0 + tid) * 2 + 1] = 0.f;
         }
@@ -274,7 +277,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
             o += red[(w * GP + h) * D + d];
             l += s_sum[w][h];
         }
-        if (gridDim.z == 1) {
+        if (whole) {
             a.out[(q_row0 + h) * D + d] = from_f32(l > 0.f ? o / l : 0.f);
         } else {
             a.part_o[(p_row0 + h) * D + d] = o;
@@ -361,7 +364,7 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D,
     auto& s_l = sm.l;
     auto& q_s = sm.q;
 
-    const int i = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int kvh = blockIdx.x, part = blockIdx.y, i = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int grp = tid / TG, sub = tid % TG;
     const int seq = a.decode_seqs[i];
@@ -371,11 +374,14 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D,
     const int g = a.num_q_heads / a.num_kv_heads;
     const int k_begin = part * partition;
     const int k_end = min(seq_len, k_begin + partition);
+    // A sequence that fits in one partition is written here whole; the combine passes
+    // over it (at large batches the plan takes partitions that hold most sequences).
+    const bool whole = gridDim.y == 1 || seq_len <= partition;
     const long long q_row0 = (long long)token * a.num_q_heads + (long long)kvh * g;
     const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
 
     if (k_begin >= k_end) {  // this partition lies past the sequence's end
-        if (gridDim.z > 1 && tid < g) {
+        if (gridDim.y > 1 && tid < g) {
             a.part_ml[(p_row0 + tid) * 2] = NEG_INF;
             a.part_ml[(p_row0 + tid) * 2 + 1] = 0.f;
         }
@@ -543,7 +549,7 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D,
             o += c * red[w][h][d];
             l_sum += c * s_l[w][h];
         }
-        if (gridDim.z == 1) {
+        if (whole) {
             a.out[(q_row0 + h) * D + d] = from_f32(l_sum > 0.f ? o / l_sum : 0.f);
         } else {
             a.part_o[(p_row0 + h) * D + d] = o;
@@ -575,27 +581,32 @@ DECODE1_GROUPS(32)
 DECODE1_GROUPS(64)
 DECODE1_GROUPS(128)
 
-// Merges the partitions of every (decode sequence, q head) into the token's output row:
-// one block of head_dim threads per row. Only the partitions holding keys of the sequence
-// are read: a fixed grid sized for long sequences leaves most of them empty for short
-// ones (a batch-1 grid has 33 partitions, a 384-key sequence fills 12 of 32 keys).
+// Merges the partitions of every (decode sequence, q head) into the token's output row,
+// `row_threads` threads a row (blockDim.x / row_threads rows a block). Only the partitions
+// holding keys of the sequence are read: a fixed grid sized for long sequences leaves most
+// of them empty for short ones (a batch-1 grid has 33 partitions, a 384-key sequence fills
+// 12 of 32 keys), and a row whose sequence fits in one partition was written by the decode
+// kernel, so at large batches most rows only look up their sequence's length.
 extern "C" __global__ void paged_attention_decode_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml,
     const int* __restrict__ decode_seqs, const int* __restrict__ query_start_loc,
     const int* __restrict__ seq_lens, const int* __restrict__ partition,
     scalar_t* __restrict__ out, int num_decode, int num_q_heads, int head_dim,
-    int num_partitions) {
+    int num_partitions, int row_threads) {
     pdl_enter();
-    const int i = blockIdx.x / num_q_heads, h = blockIdx.x % num_q_heads;
     const long long rows = (long long)num_decode * num_q_heads;
-    const long long row = (long long)i * num_q_heads + h;
+    const long long row =
+        (long long)blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
+    if (row >= rows) return;
+    const int i = row / num_q_heads, h = row % num_q_heads;
     const int seq = decode_seqs[i];
     const int p = *partition;
     const int live = min(num_partitions, (seq_lens[seq] + p - 1) / p);
+    if (live == 1) return;  // the decode kernel wrote this row itself
     float m_max = NEG_INF;
     for (int s = 0; s < live; ++s) m_max = fmaxf(m_max, part_ml[(s * rows + row) * 2]);
     const long long out_row = (long long)query_start_loc[seq] * num_q_heads + h;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    for (int d = threadIdx.x % row_threads; d < head_dim; d += row_threads) {
         float num = 0.f, den = 0.f;
 #pragma unroll 4
         for (int s = 0; s < live; ++s) {

@@ -9,10 +9,9 @@
 //! attribute, or after a copy or a library kernel, waits for nothing there, so the wait is
 //! always safe, and every launch can carry the attribute.
 //!
-//! Eager steps gain the most (a batch-1 Qwen3-0.6B step: 2.0 -> 1.45 ms on the H100). In
-//! a captured graph a kernel's dependency is usually the allocation node of its output
-//! (`cuMemAllocAsync` inside the capture), not the kernel before it, so the graph keeps
-//! plain edges there (docs/CUDA_NOTES.md).
+//! A batch-1 Qwen3-0.6B step on the H100: eager 2.0 -> 1.45 ms; in a CUDA graph, whose
+//! kernels take their buffers from the capture arena so that kernel follows kernel
+//! (capture_arena.rs), 1.42 -> 1.27 ms (docs/BENCHMARKS.md).
 //!
 //! The arguments are collected here rather than by cudarc's `LaunchArgs`, which launches
 //! through `cuLaunchKernel` only. The context does not track events (`device.rs`), so no

@@ -447,13 +447,6 @@ impl DeviceRunner {
         }
     }
 
-    pub fn execute_model(&mut self, so: &SchedulerOutput) -> Result<ModelRunnerOutput> {
-        match self {
-            Self::Cpu(r) => r.execute_model(so),
-            Self::Cuda(r) => r.execute_model_cuda(so),
-        }
-    }
-
     /// Runs a step, possibly leaving it deferred (CUDA, see `crate::overlap`); the
     /// outputs now complete, oldest first: a deferred step before this one, and this one
     /// unless it is deferred.

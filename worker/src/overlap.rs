@@ -59,14 +59,14 @@ pub fn may_defer(so: &SchedulerOutput, batch: &InputBatch, sampled_req_ids: &[St
 /// Whether step `so` may be prepared and enqueued while `deferred`'s tokens are unknown
 /// on the host (call it before `so`'s deltas are applied).
 pub fn may_overlap(so: &SchedulerOutput, batch: &InputBatch, deferred: &DeferredRows) -> bool {
+    // The history test first: it is a lookup, and almost always false, where the
+    // deferred rows are a scan.
     so.num_scheduled_tokens.iter().all(|(id, _)| {
-        if !deferred.req_ids.contains(id) {
-            return true;
-        }
         batch
             .requests
             .get(id)
             .is_none_or(|s| !reads_history(&s.sampling_params, s.output_token_ids.len()))
+            || !deferred.req_ids.contains(id)
     })
 }
 

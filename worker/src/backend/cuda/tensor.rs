@@ -39,12 +39,6 @@ impl<T> DeviceHandle for CudaSlice<T> {
     }
 }
 
-impl<T> DeviceHandle for DeviceBuf<T> {
-    fn release(self) {
-        DeviceBuf::release(self);
-    }
-}
-
 impl DeviceHandle for CudaTensor {
     fn release(self) {
         self.buf.release();

@@ -11,6 +11,7 @@ use anyhow::{ensure, Result};
 use cudarc::driver::{result as dr, CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
 use vllm_kernels::cuda::device::driver_error;
 
+use super::sampling::checked_token;
 use super::CudaBackend;
 use crate::overlap::{CopyRun, DeferredRows};
 
@@ -120,14 +121,7 @@ impl PendingStep {
             .map_err(|e| driver_error("the pinned token buffer", e))?;
         let tokens = host[..n]
             .iter()
-            .map(|&t| {
-                ensure!(
-                    t >= 0 && (t as usize) < self.vocab,
-                    "the GPU sampler returned token {t} (vocabulary {})",
-                    self.vocab
-                );
-                Ok(t as u32)
-            })
+            .map(|&t| checked_token(t, self.vocab))
             .collect::<Result<Vec<_>>>()?;
         Ok((self.rows, tokens, self.readback))
     }

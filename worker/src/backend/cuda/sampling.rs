@@ -19,6 +19,16 @@ use vllm_protocol::{SamplingParams, TokenLogprobs};
 use super::{CudaBackend, CudaTensor};
 use crate::sampler::{seeded_uniform, SamplingRequest};
 
+/// A token id the GPU sampler returned, checked against the vocabulary: a broken kernel
+/// fails the step instead of handing out an id past the tokenizer's.
+pub fn checked_token(token: i32, vocab: usize) -> Result<u32> {
+    ensure!(
+        token >= 0 && (token as usize) < vocab,
+        "the GPU sampler returned token {token} (vocabulary {vocab})"
+    );
+    Ok(token as u32)
+}
+
 /// The kernel's parameters of one row, with its uniform drawn as the CPU sampler would:
 /// from (seed, tokens generated so far) when seeded, else from the backend's stream.
 pub fn row_params(
@@ -249,10 +259,7 @@ pub fn sample_with(
         .iter()
         .zip(&out.tokens)
         .map(|(row, &token)| {
-            ensure!(
-                token >= 0 && (token as usize) < vocab,
-                "the GPU sampler returned token {token} (vocabulary {vocab})"
-            );
+            let token = checked_token(token, vocab)?;
             let logprobs = if row.logprobs >= 0 {
                 let lp = &out.logprobs[row.logprobs_slot as usize];
                 ensure!(
@@ -264,7 +271,7 @@ pub fn sample_with(
                 );
                 let n = lp.num_top as usize;
                 Some(TokenLogprobs {
-                    token_id: token as u32,
+                    token_id: token,
                     logprob: lp.logprob,
                     rank: lp.rank as u32,
                     top: lp.top_ids[..n]
@@ -276,7 +283,7 @@ pub fn sample_with(
             } else {
                 None
             };
-            Ok((token as u32, logprobs))
+            Ok((token, logprobs))
         })
         .collect()
 }

@@ -548,6 +548,62 @@ fn linear_matches_cpu() {
     }
 }
 
+/// GEMMs tuned on first use (`Gemm::tuning`, as the CUDA graphs' warm-up runs do): the
+/// output of the tuning call (the winner's, cuBLASLt's or cuBLAS's) is close to the CPU's,
+/// and a later call of the same shape gives the same bits, as a graph replay must. The
+/// shapes are Qwen3-0.6B's at decode batches, plus odd ones.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn tuned_linear_matches_cpu_and_keeps_its_choice() {
+    let Some(g) = gpu() else { return };
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let gemm = Gemm::new(g.dev.stream.clone(), dtype).unwrap();
+        let mut r = Lcg(17);
+        let shapes = [
+            (256, 1024, 4096),
+            (16, 2048, 1024),
+            (256, 3072, 1024),
+            (72, 1024, 6144),
+            (130, 96, 33),
+        ];
+        for (m, k, n) in shapes {
+            let x = c.round(&r.vec(m * k, 1.0));
+            let w = c.round(&r.vec(n * k, 1.0 / (k as f32).sqrt()));
+            let mut want = vec![0.0; m * n];
+            cpu::linear(&x, &w, None, m, k, n, &mut want);
+            let (xd, wd) = (c.upload(&x), c.upload(&w));
+            let mut tuned = c.poisoned(m * n);
+            gemm.tuning(|| gemm.linear(&xd, &wd, &mut tuned, m, k, n))
+                .unwrap();
+            let tuned = c.download(&tuned, m * n);
+            let t = match dtype {
+                DType::F32 => Tol {
+                    abs: 1e-5,
+                    rel: 1e-5,
+                },
+                _ => tol(dtype, 1.5),
+            };
+            assert_close("tuned linear", dtype, &tuned, &want, t);
+            let mut again = c.poisoned(m * n);
+            gemm.linear(&xd, &wd, &mut again, m, k, n).unwrap();
+            let again = c.download(&again, m * n);
+            assert!(
+                tuned
+                    .iter()
+                    .zip(&again)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype:?} [{m}, {k}] x [{n}, {k}]: a second call differs from the tuning call"
+            );
+        }
+        let (tuned, won) = gemm.tuned_shapes();
+        // f32 keeps cuBLAS's exact-f32 default and tunes nothing.
+        let expected = if dtype == DType::F32 { 0 } else { shapes.len() };
+        assert_eq!(tuned, expected, "{dtype:?}");
+        println!("TUNED {dtype:?}: cuBLASLt won {won} of {tuned} shapes");
+    }
+}
+
 /// One attention scenario: sequences (context_len, query_len), GQA shape, block size.
 fn attention_case(
     c: &Ctx,

@@ -199,10 +199,13 @@ impl CudaGraphs {
             graphs.insert(shape.batch, graph);
         }
         let (arena_mib, allocation_nodes) = (arena.high_water() >> 20, arena.fallbacks());
+        let (gemm_shapes, cublaslt_won) = b.tuned_gemm_shapes();
         tracing::info!(
             arena_mib,
             allocation_nodes,
-            "activations of the CUDA graphs"
+            gemm_shapes,
+            cublaslt_won,
+            "activations and GEMMs of the CUDA graphs"
         );
         if allocation_nodes > 0 {
             // Correct still, but those nodes keep PDL from joining the kernels around them.
@@ -304,8 +307,12 @@ fn capture_one(
 ) -> Result<CudaGraph> {
     let meta = b.upload_step(&capture_step(shape))?;
     // One eager run first: whatever a first call sets up (cuBLAS's heuristics, the
-    // stream-ordered pool) happens outside the capture.
-    drop(model.compute_logits(b, &model.forward(b, &meta, cache)?, &meta)?);
+    // stream-ordered pool) happens outside the capture, and the GEMMs of this batch size
+    // choose their algorithms, which the graph then keeps.
+    b.tuning_gemms(|| -> Result<()> {
+        drop(model.compute_logits(b, &model.forward(b, &meta, cache)?, &meta)?);
+        Ok(())
+    })?;
     let stream = &b.dev.stream;
     let (graph, forward) = b.ops.with_capture_arena(arena, || {
         stream

@@ -1,7 +1,10 @@
 //! GEMMs through cuBLAS: `y = x · Wᵀ` with weights in PyTorch's [out, in] layout, inputs
 //! and output in the activation dtype, accumulation in f32 (`CUBLAS_COMPUTE_32F`; for f32
-//! data no TF32, so the f32 build matches the CPU reference closely).
+//! data no TF32, so the f32 build matches the CPU reference closely). In bf16 and f16 the
+//! shapes met while `tuning` (the CUDA graphs' warm-up runs) get the fastest cuBLASLt
+//! algorithm for them (lt_matmul.rs); every other shape runs cuBLAS's default.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{anyhow, ensure, Result};
@@ -9,11 +12,16 @@ use cudarc::cublas::{result as cr, sys as cs, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::dtype::DType;
+use super::lt_matmul::{LtMatmul, Operands};
 
 pub struct Gemm {
     blas: CudaBlas,
     stream: Arc<CudaStream>,
     dtype: DType,
+    /// Tuned cuBLASLt algorithms; None in f32 (kept on cuBLAS's exact-f32 default).
+    lt: Option<LtMatmul>,
+    /// While set, a shape without a tuned algorithm is tuned on first use.
+    tuning: AtomicBool,
     /// cuBLAS's workspace, ours for the handle's lifetime: a GEMM captured into a CUDA
     /// graph must not allocate (cuBLAS asks for 32 MiB on Hopper).
     _workspace: CudaSlice<u8>,
@@ -44,12 +52,36 @@ impl Gemm {
                 .result()
                 .map_err(|e| anyhow!("cuBLAS: setting the workspace failed: {e:?}"))?;
         }
+        let lt = match dtype {
+            DType::F32 => None,
+            DType::BF16 | DType::F16 => {
+                let (p, _g) = workspace.device_ptr(&stream);
+                Some(LtMatmul::new(stream.clone(), dtype, (p, WORKSPACE_BYTES))?)
+            }
+        };
         Ok(Self {
             blas,
             stream,
             dtype,
+            lt,
+            tuning: AtomicBool::new(false),
             _workspace: workspace,
         })
+    }
+
+    /// Runs `f` with tuning on: each new shape `linear` meets is timed against the
+    /// heuristic's cuBLASLt algorithms (which synchronises the stream: not while
+    /// capturing a graph).
+    pub fn tuning<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.tuning.store(true, Ordering::Relaxed);
+        let r = f();
+        self.tuning.store(false, Ordering::Relaxed);
+        r
+    }
+
+    /// Shapes tuned so far, and of those the ones a cuBLASLt algorithm won.
+    pub fn tuned_shapes(&self) -> (usize, usize) {
+        self.lt.as_ref().map_or((0, 0), LtMatmul::counts)
     }
 
     /// out [m, n] = x [m, k] · w [n, k]ᵀ.
@@ -85,11 +117,35 @@ impl Gemm {
             i32::try_from(v).map_err(|_| anyhow!("linear: dimension {v} exceeds cuBLAS's i32"))
         };
         let (mi, ki, ni) = (dims(m)?, dims(k)?, dims(n)?);
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let t = data_type(self.dtype);
         let (xp, _gx) = x.device_ptr(&self.stream);
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr(&self.stream);
+        let Some(lt) = &self.lt else {
+            return self.gemm_ex((xp, wp, op), (mi, ki, ni));
+        };
+        let (mkn, ops) = (
+            (m, k, n),
+            Operands {
+                x: xp,
+                w: wp,
+                y: op,
+            },
+        );
+        if self.tuning.load(Ordering::Relaxed) && !lt.is_tuned(mkn) {
+            let mut baseline = || self.gemm_ex((xp, wp, op), (mi, ki, ni));
+            let (best_us, default_us) = lt.tune(mkn, ops, &mut baseline)?;
+            tracing::debug!(m, k, n, best_us, default_us, "tuned a GEMM shape");
+        }
+        if lt.run(mkn, ops)? {
+            return Ok(());
+        }
+        self.gemm_ex((xp, wp, op), (mi, ki, ni))
+    }
+
+    /// cuBLAS's default GEMM on device pointers (x, w, out) of sizes checked by `linear`.
+    fn gemm_ex(&self, (xp, wp, op): (u64, u64, u64), (mi, ki, ni): (i32, i32, i32)) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let t = data_type(self.dtype);
         // Row-major y[m,n] is column-major yᵀ[n,m] = W[n,k] · xᵀ[k,m]: W is stored as
         // column-major [k, n] (transpose it), x as column-major [k, m].
         // SAFETY: buffer sizes checked above; all pointers are on our stream's device.
@@ -116,6 +172,6 @@ impl Gemm {
                 cs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| anyhow!("cuBLAS: gemm [{m}x{k}]·[{n}x{k}]ᵀ failed: {e:?}"))
+        .map_err(|e| anyhow!("cuBLAS: gemm [{mi}x{ki}]·[{ni}x{ki}]ᵀ failed: {e:?}"))
     }
 }

@@ -14,6 +14,7 @@ pub mod gemm;
 pub mod gemv;
 pub mod launch;
 pub mod libs;
+pub mod lt_matmul;
 pub mod module;
 pub mod nccl;
 pub mod nvrtc;

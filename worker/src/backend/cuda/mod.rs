@@ -96,6 +96,17 @@ impl CudaBackend {
         self.comm.as_ref()
     }
 
+    /// Runs `f` with GEMM tuning on: each new GEMM shape gets its fastest cuBLASLt
+    /// algorithm (`Gemm::tuning`). For eager runs only, never inside a capture.
+    pub fn tuning_gemms<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.gemm.tuning(f)
+    }
+
+    /// GEMM shapes tuned so far, and of those the ones a cuBLASLt algorithm won.
+    pub fn tuned_gemm_shapes(&self) -> (usize, usize) {
+        self.gemm.tuned_shapes()
+    }
+
     /// Runs attention with `kernels` instead of the flash default.
     pub fn with_attention_kernels(mut self, kernels: AttentionKernels) -> Self {
         self.attention = kernels;

@@ -534,17 +534,21 @@ fn linear_matches_cpu() {
             let mut out = c.poisoned(m * n);
             gemm.linear(&c.upload(&x), &c.upload(&w), &mut out, m, k, n)
                 .unwrap();
-            // f32 accumulation on both sides: the output rounding (and the order of the
-            // sums) is all that differs; outputs are O(1).
-            let t = match dtype {
-                DType::F32 => Tol {
-                    abs: 1e-5,
-                    rel: 1e-5,
-                },
-                _ => tol(dtype, 1.5),
-            };
-            assert_close("linear", dtype, &c.download(&out, m * n), &want, t);
+            let out = c.download(&out, m * n);
+            assert_close("linear", dtype, &out, &want, linear_tol(dtype));
         }
+    }
+}
+
+/// A GEMM's tolerance against the CPU: f32 accumulation on both sides, so the output
+/// rounding (and the order of the sums) is all that differs; outputs are O(1).
+fn linear_tol(dtype: DType) -> Tol {
+    match dtype {
+        DType::F32 => Tol {
+            abs: 1e-5,
+            rel: 1e-5,
+        },
+        _ => tol(dtype, 1.5),
     }
 }
 
@@ -577,14 +581,7 @@ fn tuned_linear_matches_cpu_and_keeps_its_choice() {
             gemm.tuning(|| gemm.linear(&xd, &wd, &mut tuned, m, k, n))
                 .unwrap();
             let tuned = c.download(&tuned, m * n);
-            let t = match dtype {
-                DType::F32 => Tol {
-                    abs: 1e-5,
-                    rel: 1e-5,
-                },
-                _ => tol(dtype, 1.5),
-            };
-            assert_close("tuned linear", dtype, &tuned, &want, t);
+            assert_close("tuned linear", dtype, &tuned, &want, linear_tol(dtype));
             let mut again = c.poisoned(m * n);
             gemm.linear(&xd, &wd, &mut again, m, k, n).unwrap();
             let again = c.download(&again, m * n);

@@ -42,7 +42,7 @@ export RUST_LOG=${RUST_LOG:-info}
 export NCCL_NVLS_ENABLE=0
 STAGES=${*:-info kernels kernel-bench model serve parity bench}
 SUMMARY=()
-BIN=$G/vllm-rs
+BIN=${BIN:-$G/vllm-rs}
 MODELS=/tmp/vllm-rs-models
 
 # stage NAME CMD…: runs CMD with output in $LOG/NAME.log, records rc and seconds.

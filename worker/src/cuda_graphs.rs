@@ -199,12 +199,13 @@ impl CudaGraphs {
             graphs.insert(shape.batch, graph);
         }
         let (arena_mib, allocation_nodes) = (arena.high_water() >> 20, arena.fallbacks());
-        let (gemm_shapes, cublaslt_won) = b.tuned_gemm_shapes();
+        let gemms = b.gemm_tuning_counts();
         tracing::info!(
             arena_mib,
             allocation_nodes,
-            gemm_shapes,
-            cublaslt_won,
+            gemm_shapes = gemms.shapes,
+            cublaslt_won = gemms.cublaslt,
+            timed_now = gemms.timed,
             "activations and GEMMs of the CUDA graphs"
         );
         if allocation_nodes > 0 {

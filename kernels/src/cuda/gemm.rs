@@ -4,6 +4,7 @@
 //! shapes met while `tuning` (the CUDA graphs' warm-up runs) get the fastest cuBLASLt
 //! algorithm for them (lt_matmul.rs); every other shape runs cuBLAS's default.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -11,8 +12,9 @@ use anyhow::{anyhow, ensure, Result};
 use cudarc::cublas::{result as cr, sys as cs, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
+use super::cache;
 use super::dtype::DType;
-use super::lt_matmul::{LtMatmul, Operands};
+use super::lt_matmul::{LtMatmul, Operands, TuningCounts};
 
 pub struct Gemm {
     blas: CudaBlas,
@@ -38,7 +40,13 @@ fn data_type(dtype: DType) -> cs::cudaDataType {
 }
 
 impl Gemm {
+    /// A GEMM whose tuned choices are recorded beside the kernel cache (`cache::cache_dir`).
     pub fn new(stream: Arc<CudaStream>, dtype: DType) -> Result<Self> {
+        Self::with_choices_in(stream, dtype, &cache::cache_dir())
+    }
+
+    /// A GEMM whose tuned choices are recorded in `dir`.
+    pub fn with_choices_in(stream: Arc<CudaStream>, dtype: DType, dir: &Path) -> Result<Self> {
         let blas = CudaBlas::new(stream.clone())
             .map_err(|e| anyhow!("cuBLAS: creating a handle failed: {e:?}"))?;
         let workspace = stream
@@ -56,7 +64,8 @@ impl Gemm {
             DType::F32 => None,
             DType::BF16 | DType::F16 => {
                 let (p, _g) = workspace.device_ptr(&stream);
-                Some(LtMatmul::new(stream.clone(), dtype, (p, WORKSPACE_BYTES))?)
+                let workspace = (p, WORKSPACE_BYTES);
+                Some(LtMatmul::new(stream.clone(), dtype, workspace, dir)?)
             }
         };
         Ok(Self {
@@ -69,19 +78,23 @@ impl Gemm {
         })
     }
 
-    /// Runs `f` with tuning on: each new shape `linear` meets is timed against the
-    /// heuristic's cuBLASLt algorithms (which synchronises the stream: not while
-    /// capturing a graph).
+    /// Runs `f` with tuning on: each new shape `linear` meets takes its choice from the
+    /// record on disk, or else is timed against the heuristic's cuBLASLt algorithms (which
+    /// synchronises the stream: not while capturing a graph). New choices are saved after.
     pub fn tuning<R>(&self, f: impl FnOnce() -> R) -> R {
         self.tuning.store(true, Ordering::Relaxed);
         let r = f();
         self.tuning.store(false, Ordering::Relaxed);
+        if let Some(lt) = &self.lt {
+            lt.save();
+        }
         r
     }
 
-    /// Shapes tuned so far, and of those the ones a cuBLASLt algorithm won.
-    pub fn tuned_shapes(&self) -> (usize, usize) {
-        self.lt.as_ref().map_or((0, 0), LtMatmul::counts)
+    pub fn tuning_counts(&self) -> TuningCounts {
+        self.lt
+            .as_ref()
+            .map_or_else(TuningCounts::default, LtMatmul::counts)
     }
 
     /// out [m, n] = x [m, k] · w [n, k]ᵀ.
@@ -133,8 +146,7 @@ impl Gemm {
         );
         if self.tuning.load(Ordering::Relaxed) && !lt.is_tuned(mkn) {
             let mut baseline = || self.gemm_ex((xp, wp, op), (mi, ki, ni));
-            let (best_us, default_us) = lt.tune(mkn, ops, &mut baseline)?;
-            tracing::debug!(m, k, n, best_us, default_us, "tuned a GEMM shape");
+            lt.tune(mkn, ops, &mut baseline)?;
         }
         if lt.run(mkn, ops)? {
             return Ok(());

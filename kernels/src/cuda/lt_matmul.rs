@@ -7,23 +7,41 @@
 //! weights, with output tiles for a third of the H100's SMs); the heuristic's other
 //! candidates include split-K and stream-K kernels that fill them.
 //!
+//! Candidates are timed in a CUDA graph of back-to-back runs, as a step's graph runs them:
+//! timing eager launches measures the host, whose launch costs about as much as one of
+//! these GEMMs (a first version chose on that noise and lost in the graphs). Choices are
+//! kept on disk (gemm_choices.rs), so only the first start on a GPU times anything.
+//!
 //! Only the tuned shapes run here; the chosen algorithm never changes afterwards, so an
 //! eager step and a CUDA graph of the same batch compute the same bits.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::{result as lr, sys as ls};
-use cudarc::driver::{sys::CUevent_flags, CudaStream};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaStream;
 
 use super::dtype::DType;
+use super::gemm_choices::{self, Choice, Mkn};
 
 /// Candidates asked of the heuristic for one shape.
 const CANDIDATES: usize = 16;
-/// Timed runs of each candidate (after one untimed run).
-const TIMED_RUNS: usize = 5;
+/// Runs of a candidate in its timing graph, and timed replays of that graph.
+const GRAPH_RUNS: usize = 10;
+const TIMED_REPLAYS: usize = 2;
+/// Shapes whose default GEMM takes longer than this are left to it untimed: they fill the
+/// GPU already (the LM head, 140 µs at 256 rows of Qwen3-0.6B, never lost).
+const TUNE_BELOW_US: f32 = 50.0;
+/// A candidate must beat cuBLAS's default by this factor: closer is timing noise.
+const WIN_FACTOR: f32 = 0.97;
+
+fn driver_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> anyhow::Error + '_ {
+    move |e| anyhow!("CUDA driver: {what} failed: {e:?}")
+}
 
 fn data_type(dtype: DType) -> ls::cudaDataType {
     match dtype {
@@ -63,7 +81,7 @@ impl Drop for Shape {
 unsafe impl Send for Shape {}
 
 impl Shape {
-    fn new(dtype: DType, (m, k, n): (usize, usize, usize)) -> Result<Self> {
+    fn new(dtype: DType, (m, k, n): Mkn) -> Result<Self> {
         let t = data_type(dtype);
         let desc = lr::create_matmul_desc(
             ls::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -108,13 +126,34 @@ pub struct Operands {
     pub y: u64,
 }
 
+/// What tuning has done so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TuningCounts {
+    /// Shapes with a choice.
+    pub shapes: usize,
+    /// Of those, the ones a cuBLASLt algorithm won.
+    pub cublaslt: usize,
+    /// Of those, the ones timed here rather than loaded from the record on disk.
+    pub timed: usize,
+}
+
+/// The shapes chosen so far, and the record on disk they are kept in.
+struct Tuned {
+    /// None where cuBLAS's own GEMM won.
+    shapes: HashMap<Mkn, Option<Shape>>,
+    /// The record as loaded, plus every choice made since.
+    record: BTreeMap<Mkn, Choice>,
+    timed: usize,
+    unsaved: bool,
+}
+
 pub struct LtMatmul {
     handle: ls::cublasLtHandle_t,
     stream: Arc<CudaStream>,
     dtype: DType,
     workspace: (u64, usize),
-    /// Every shape tuned so far; None where cuBLAS's own GEMM was as fast.
-    shapes: Mutex<HashMap<(usize, usize, usize), Option<Shape>>>,
+    record_path: PathBuf,
+    tuned: Mutex<Tuned>,
 }
 
 // SAFETY: the handle is used from one stream, and the shapes only under their lock.
@@ -123,10 +162,7 @@ unsafe impl Sync for LtMatmul {}
 
 impl Drop for LtMatmul {
     fn drop(&mut self) {
-        self.shapes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.lock().shapes.clear();
         // SAFETY: created in `new`, destroyed once here, after every shape.
         let _ = unsafe { lr::destroy_handle(self.handle) };
     }
@@ -134,42 +170,69 @@ impl Drop for LtMatmul {
 
 impl LtMatmul {
     /// `workspace`: a device buffer (pointer, bytes) that outlives this and is only used
-    /// on `stream`.
-    pub fn new(stream: Arc<CudaStream>, dtype: DType, workspace: (u64, usize)) -> Result<Self> {
+    /// on `stream`. Loads the choices made on this GPU before, from the record in `dir`.
+    pub fn new(
+        stream: Arc<CudaStream>,
+        dtype: DType,
+        workspace: (u64, usize),
+        dir: &Path,
+    ) -> Result<Self> {
+        let gpu = stream
+            .context()
+            .name()
+            .map_err(driver_err("reading the GPU's name"))?;
+        // SAFETY: a plain query of the loaded library.
+        let version = unsafe { ls::cublasLtGetVersion() };
+        let record_path = gemm_choices::record_path(dir, &gpu, version, dtype.name());
+        let record = gemm_choices::load(&record_path);
         let handle = lr::create_handle().map_err(lt_err("creating a handle"))?;
         Ok(Self {
             handle,
             stream,
             dtype,
             workspace,
-            shapes: Mutex::new(HashMap::new()),
+            record_path,
+            tuned: Mutex::new(Tuned {
+                shapes: HashMap::new(),
+                record,
+                timed: 0,
+                unsaved: false,
+            }),
         })
     }
 
-    /// Shapes tuned, and of those the ones a cuBLASLt algorithm won.
-    pub fn counts(&self) -> (usize, usize) {
-        let shapes = self.lock();
-        (
-            shapes.len(),
-            shapes.values().filter(|s| s.is_some()).count(),
-        )
+    pub fn counts(&self) -> TuningCounts {
+        let tuned = self.lock();
+        TuningCounts {
+            shapes: tuned.shapes.len(),
+            cublaslt: tuned.shapes.values().filter(|s| s.is_some()).count(),
+            timed: tuned.timed,
+        }
     }
 
-    /// Whether (m, k, n) has been tuned (whichever GEMM won).
-    pub fn is_tuned(&self, mkn: (usize, usize, usize)) -> bool {
-        self.lock().contains_key(&mkn)
+    /// Whether (m, k, n) has a choice (whichever GEMM won).
+    pub fn is_tuned(&self, mkn: Mkn) -> bool {
+        self.lock().shapes.contains_key(&mkn)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(usize, usize, usize), Option<Shape>>> {
-        // A panic elsewhere leaves the map whole: entries are inserted complete.
-        self.shapes.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Tuned> {
+        // A panic elsewhere leaves the state whole: entries are inserted complete.
+        self.tuned.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Writes the choices made since the record was loaded, if any.
+    pub fn save(&self) {
+        let mut tuned = self.lock();
+        if std::mem::take(&mut tuned.unsaved) {
+            gemm_choices::store(&self.record_path, &tuned.record);
+        }
     }
 
     /// Runs (m, k, n) through its tuned algorithm; false when it has none (not tuned, or
     /// cuBLAS's own GEMM won), and the caller runs that.
-    pub fn run(&self, mkn: (usize, usize, usize), ops: Operands) -> Result<bool> {
-        let shapes = self.lock();
-        let Some(Some(shape)) = shapes.get(&mkn) else {
+    pub fn run(&self, mkn: Mkn, ops: Operands) -> Result<bool> {
+        let tuned = self.lock();
+        let Some(Some(shape)) = tuned.shapes.get(&mkn) else {
             return Ok(false);
         };
         self.matmul(shape, &shape.algo, ops)?;
@@ -203,19 +266,84 @@ impl LtMatmul {
         .map_err(lt_err("matmul"))
     }
 
-    /// Chooses (m, k, n)'s GEMM on these operands (which it overwrites): each of the
-    /// heuristic's candidates and `baseline` (cuBLAS's own GEMM, enqueued on the same
-    /// stream) are timed, and the fastest is kept. Synchronises the stream; never call it
-    /// while a graph is being captured. Returns the time of the winner and of the baseline,
-    /// in µs.
+    /// Chooses (m, k, n)'s GEMM: the record's choice if it has one that still fits the
+    /// shape, else the fastest of the heuristic's candidates and `baseline` (cuBLAS's own
+    /// GEMM, enqueued on the same stream), timed on these operands (which it overwrites).
+    /// Synchronises the stream; never call it while a graph is being captured.
     pub fn tune(
         &self,
-        mkn: (usize, usize, usize),
+        mkn: Mkn,
         ops: Operands,
         baseline: &mut dyn FnMut() -> Result<()>,
-    ) -> Result<(f32, f32)> {
+    ) -> Result<()> {
+        let recorded = self.lock().record.get(&mkn).copied();
+        if let Some(choice) = recorded {
+            if let Some(shape) = self.shape_of(mkn, choice)? {
+                self.lock().shapes.insert(mkn, shape);
+                return Ok(());
+            }
+        }
+        let (chosen, best_us, default_us) = self.time_candidates(mkn, ops, baseline)?;
+        let (m, k, n) = mkn;
+        tracing::debug!(
+            m,
+            k,
+            n,
+            best_us,
+            default_us,
+            "timed a GEMM shape's algorithms"
+        );
+        let mut tuned = self.lock();
+        tuned
+            .record
+            .insert(mkn, chosen.as_ref().map(|s| s.algo.data));
+        tuned.shapes.insert(mkn, chosen);
+        tuned.timed += 1;
+        tuned.unsaved = true;
+        Ok(())
+    }
+
+    /// The shape a recorded choice gives: Some(None) for cuBLAS's own GEMM, None when the
+    /// recorded algorithm no longer fits (another library build wrote the same name).
+    fn shape_of(&self, mkn: Mkn, choice: Choice) -> Result<Option<Option<Shape>>> {
+        let Some(data) = choice else {
+            return Ok(Some(None));
+        };
+        let mut shape = Shape::new(self.dtype, mkn)?;
+        shape.algo = ls::cublasLtMatmulAlgo_t { data };
+        let mut result = std::mem::MaybeUninit::<ls::cublasLtMatmulHeuristicResult_t>::zeroed();
+        // SAFETY: live descriptors and a result the call fills.
+        let status = unsafe {
+            ls::cublasLtMatmulAlgoCheck(
+                self.handle,
+                shape.desc,
+                shape.w_layout,
+                shape.x_layout,
+                shape.y_layout,
+                shape.y_layout,
+                &shape.algo,
+                result.as_mut_ptr(),
+            )
+        };
+        // SAFETY: zero-initialised, and written by the call where it succeeded.
+        let fits = status == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+            && unsafe { result.assume_init() }.workspaceSize <= self.workspace.1;
+        Ok(fits.then_some(Some(shape)))
+    }
+
+    /// The fastest of the heuristic's candidates if it beats `baseline` by WIN_FACTOR,
+    /// with its time and the baseline's, in µs.
+    fn time_candidates(
+        &self,
+        mkn: Mkn,
+        ops: Operands,
+        baseline: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<(Option<Shape>, f32, f32)> {
         let mut shape = Shape::new(self.dtype, mkn)?;
         let base_us = self.time(baseline)?;
+        if base_us > TUNE_BELOW_US {
+            return Ok((None, base_us, base_us));
+        }
         let mut best: Option<(f32, ls::cublasLtMatmulAlgo_t)> = None;
         for candidate in self.candidates(&shape)? {
             let mut run = || self.matmul(&shape, &candidate.algo, ops);
@@ -227,17 +355,13 @@ impl LtMatmul {
                 best = Some((us, candidate.algo));
             }
         }
-        let chosen = match best {
-            // Within noise of the baseline, keep cuBLAS's own GEMM.
-            Some((us, algo)) if us < 0.97 * base_us => {
+        Ok(match best {
+            Some((us, algo)) if us < WIN_FACTOR * base_us => {
                 shape.algo = algo;
-                Some((us, shape))
+                (Some(shape), us, base_us)
             }
-            _ => None,
-        };
-        let best_us = chosen.as_ref().map_or(base_us, |(us, _)| *us);
-        self.lock().insert(mkn, chosen.map(|(_, s)| s));
-        Ok((best_us, base_us))
+            _ => (None, base_us, base_us),
+        })
     }
 
     /// Up to CANDIDATES algorithms the heuristic offers for `shape` within the workspace.
@@ -281,22 +405,37 @@ impl LtMatmul {
             .collect())
     }
 
-    /// Mean µs of `f` over TIMED_RUNS runs, after one untimed run.
+    /// Mean µs of one `f`, from a CUDA graph of GRAPH_RUNS calls replayed TIMED_REPLAYS
+    /// times after a warm-up replay. One call runs first outside the capture: it does a
+    /// first call's setup, and an `f` that refuses its operands fails there.
     fn time(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f32> {
+        f()?;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver_err("beginning a capture"))?;
+        let enqueued = (0..GRAPH_RUNS).try_for_each(|_| f());
+        // End the capture whatever happened, so the stream is usable again.
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(driver_err("ending a capture"));
+        enqueued?;
+        let graph = graph?.ok_or_else(|| anyhow!("timing a GEMM captured an empty graph"))?;
+        let launch = || graph.launch().map_err(driver_err("replaying a graph"));
         let event = || {
             self.stream
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| anyhow!("CUDA driver: recording an event failed: {e:?}"))
+                .map_err(driver_err("recording an event"))
         };
-        f()?;
+        launch()?;
         let start = event()?;
-        for _ in 0..TIMED_RUNS {
-            f()?;
+        for _ in 0..TIMED_REPLAYS {
+            launch()?;
         }
         let end = event()?;
         let ms = start
             .elapsed_ms(&end)
-            .map_err(|e| anyhow!("CUDA driver: timing events failed: {e:?}"))?;
-        Ok(ms * 1000.0 / TIMED_RUNS as f32)
+            .map_err(driver_err("timing events"))?;
+        Ok(ms * 1000.0 / (GRAPH_RUNS * TIMED_REPLAYS) as f32)
     }
 }

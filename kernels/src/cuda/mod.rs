@@ -11,6 +11,7 @@ pub mod capture_arena;
 pub mod device;
 pub mod dtype;
 pub mod gemm;
+pub mod gemm_choices;
 pub mod gemv;
 pub mod launch;
 pub mod libs;
@@ -28,6 +29,7 @@ pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;
 pub use gemv::{GEMV_MAX_M, GEMV_PAYS_MAX_M};
+pub use lt_matmul::TuningCounts;
 pub use ops::{AttentionDims, AttentionMeta, CudaOps, QkvPrepare};
 pub use sampling_ops::{
     LogitEntry, SampleRow, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,

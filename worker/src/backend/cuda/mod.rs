@@ -22,7 +22,7 @@ use anyhow::{bail, ensure, Context, Result};
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    Gemm, GEMV_PAYS_MAX_M,
+    Gemm, TuningCounts, GEMV_PAYS_MAX_M,
 };
 
 use step_buffers::StepBuffers;
@@ -102,9 +102,9 @@ impl CudaBackend {
         self.gemm.tuning(f)
     }
 
-    /// GEMM shapes tuned so far, and of those the ones a cuBLASLt algorithm won.
-    pub fn tuned_gemm_shapes(&self) -> (usize, usize) {
-        self.gemm.tuned_shapes()
+    /// GEMM shapes tuned so far: how many, won by cuBLASLt, timed rather than recorded.
+    pub fn gemm_tuning_counts(&self) -> TuningCounts {
+        self.gemm.tuning_counts()
     }
 
     /// Runs attention with `kernels` instead of the flash default.

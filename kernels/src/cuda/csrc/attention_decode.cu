@@ -381,6 +381,7 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D,
     const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
 
     if (k_begin >= k_end) {  // this partition lies past the sequence's end
+        pdl_enter();
         if (gridDim.y > 1 && tid < g) {
             a.part_ml[(p_row0 + tid) * 2] = NEG_INF;
             a.part_ml[(p_row0 + tid) * 2 + 1] = 0.f;
@@ -391,13 +392,16 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D,
     const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
     const BlockDiv<POW2> bd(a.block_size);
     // The cache block of each of this lane's keys in a step (key base + u·NG + grp: the
-    // groups of a step read consecutive keys), read one step ahead.
+    // groups of a step read consecutive keys), read one step ahead. The first step's are
+    // read before the wait, with the step's other inputs (common.cuh).
     int blk[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int k = k_begin + u * NG + grp;
         blk[u] = k < k_end ? table[bd.block(k)] : 0;
     }
+    // q and the newest key come from the kernel before.
+    pdl_enter();
     // This lane's 8 columns of each q row, scaled: in registers, or for the wider groups
     // in shared memory, where their 32 or 64 floats a lane do not take the registers that
     // keep loads in flight.
@@ -568,7 +572,6 @@ __device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D,
     extern "C" __global__ void __launch_bounds__(DEC_THREADS, dec1_min_blocks(D, GP)) \
         paged_attention_decode1_d##D##_g##GP(DecodeArgs a) {                         \
         __shared__ Decode1Smem<D, GP> sm;                                            \
-        pdl_enter();                                                                 \
         if (a.block_size & (a.block_size - 1))                                       \
             paged_attention_decode1_impl<D, GP, false>(a, sm);                       \
         else                                                                         \
@@ -593,19 +596,20 @@ extern "C" __global__ void paged_attention_decode_combine(
     const int* __restrict__ seq_lens, const int* __restrict__ partition,
     scalar_t* __restrict__ out, int num_decode, int num_q_heads, int head_dim,
     int num_partitions, int row_threads) {
-    pdl_enter();
     const long long rows = (long long)num_decode * num_q_heads;
     const long long row =
         (long long)blockIdx.x * (blockDim.x / row_threads) + threadIdx.x / row_threads;
     if (row >= rows) return;
+    // The step's inputs, read before the wait (common.cuh); the partials after it.
     const int i = row / num_q_heads, h = row % num_q_heads;
     const int seq = decode_seqs[i];
     const int p = *partition;
     const int live = min(num_partitions, (seq_lens[seq] + p - 1) / p);
     if (live == 1) return;  // the decode kernel wrote this row itself
+    const long long out_row = (long long)query_start_loc[seq] * num_q_heads + h;
+    pdl_enter();
     float m_max = NEG_INF;
     for (int s = 0; s < live; ++s) m_max = fmaxf(m_max, part_ml[(s * rows + row) * 2]);
-    const long long out_row = (long long)query_start_loc[seq] * num_q_heads + h;
     for (int d = threadIdx.x % row_threads; d < head_dim; d += row_threads) {
         float num = 0.f, den = 0.f;
 #pragma unroll 4

@@ -44,11 +44,25 @@ __device__ __forceinline__ scalar_t from_f32(float x) {
 // when the launch did not ask for PDL), then lets the next kernel be scheduled, whose
 // blocks wait in their own pdl_enter(). Since each kernel waits for its predecessor
 // before completing, a kernel also sees the writes of every kernel before that one.
+//
+// What no kernel writes may be read before it: the step's inputs (positions, slot
+// mapping, sequence lengths, block tables: copied from the host before the step's first
+// kernel) and the weights. The small kernels of a batch-1 step read those first, so the
+// chains of dependent loads they start (a sequence's length, then its block table)
+// overlap the kernel before them instead of following it.
 __device__ __forceinline__ void pdl_enter() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Brings the 128-byte line holding p into L2 (a hint: no value, no fault). Pays only in a
+// kernel of a few rows (a batch-1 step's chain of short kernels): with hundreds of blocks
+// prefetching the same lines it made them slower.
+#define PREFETCH_MAX_ROWS 8
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // Rounds through the activation dtype: where PyTorch (HF and vLLM) materialises an

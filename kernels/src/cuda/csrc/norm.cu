@@ -25,6 +25,11 @@ extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
                                               scalar_t* __restrict__ residual,
                                               const scalar_t* __restrict__ weight, int hidden,
                                               float eps) {
+    // The weights into L2 before the wait (common.cuh), a 128-byte line a thread, for a
+    // few rows only (as in qkv_prepare.cu).
+    const int line = 128 / (int)sizeof(scalar_t);
+    if (gridDim.x <= PREFETCH_MAX_ROWS && threadIdx.x < (hidden + line - 1) / line)
+        prefetch_l2(weight + threadIdx.x * line);
     pdl_enter();
     scalar_t* xr = x + (long long)blockIdx.x * hidden;
     scalar_t* rr = residual + (long long)blockIdx.x * hidden;

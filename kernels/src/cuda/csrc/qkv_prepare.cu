@@ -36,7 +36,6 @@ struct QkvArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs a) {
-    pdl_enter();
     __shared__ float staged[QKV_WARPS][QKV_MAX_HEAD_DIM];
     const long long t = blockIdx.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -44,6 +43,8 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
     const int heads = hq + 2 * hkv;
     const int head = blockIdx.y * QKV_WARPS + warp;
     if (head >= heads) return;
+    // The step's inputs and the weights, read (or brought into L2) before the wait
+    // (common.cuh): the position, then the cos/sin row it picks.
     const int slot = a.slot_mapping[t];
     const long long kv_row = (long long)hkv * d;
     const scalar_t* row = a.qkv + t * heads * d;
@@ -52,6 +53,21 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
     float* h = staged[warp];
     const scalar_t* src = row + (long long)head * d;
     const bool is_q = head < hq;
+    const scalar_t* w = is_q ? a.q_norm : a.k_norm;
+    // One lane a 128-byte line: a head's norm weights, then its cos/sin row. Only for a
+    // few tokens, where the kernel is one chain of loads: at 256 tokens the prefetches
+    // took it from 6.6 to 20.5 µs (H100, docs/BENCHMARKS.md).
+    const int line = 128 / (int)sizeof(scalar_t);
+    const int w_lines = w != nullptr ? (d + line - 1) / line : 0;
+    const int cs_lines = (a.rotary_dim + line - 1) / line;
+    if (gridDim.x <= PREFETCH_MAX_ROWS) {
+        if (lane < w_lines) {
+            prefetch_l2(w + lane * line);
+        } else if (lane < w_lines + cs_lines) {
+            prefetch_l2(cs + (lane - w_lines) * line);
+        }
+    }
+    pdl_enter();
     if (head >= hq + hkv) {  // a v head: copied to the cache as it is
         if (slot >= 0) {
             scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d;
@@ -60,7 +76,6 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
         return;
     }
     if (!is_q && slot < 0) return;  // the k of a padding token goes nowhere
-    const scalar_t* w = is_q ? a.q_norm : a.k_norm;
     float ss = 0.f;
     for (int i = lane; i < d; i += 32) {
         const float v = to_f32(src[i]);

@@ -584,6 +584,8 @@ DECODE1_GROUPS(32)
 DECODE1_GROUPS(64)
 DECODE1_GROUPS(128)
 
+#define COMBINE_CHUNK 16  // partials of a row loaded together
+
 // Merges the partitions of every (decode sequence, q head) into the token's output row,
 // `row_threads` threads a row (blockDim.x / row_threads rows a block). Only the partitions
 // holding keys of the sequence are read: a fixed grid sized for long sequences leaves most
@@ -608,16 +610,42 @@ extern "C" __global__ void paged_attention_decode_combine(
     if (live == 1) return;  // the decode kernel wrote this row itself
     const long long out_row = (long long)query_start_loc[seq] * num_q_heads + h;
     pdl_enter();
+    // Partitions COMBINE_CHUNK at a time, every load of a chunk issued before the first is
+    // used: a row of a batch-1 step has 12 or more partials, and loads taken four at a
+    // time made the combine a chain of six round trips. A slot past `live` reads as an
+    // empty partial (max -inf, weight 0), which adds exactly 0.
     float m_max = NEG_INF;
-    for (int s = 0; s < live; ++s) m_max = fmaxf(m_max, part_ml[(s * rows + row) * 2]);
+    for (int s0 = 0; s0 < live; s0 += COMBINE_CHUNK) {
+        float mv[COMBINE_CHUNK];
+#pragma unroll
+        for (int j = 0; j < COMBINE_CHUNK; ++j)
+            mv[j] = part_ml[((long long)min(s0 + j, live - 1) * rows + row) * 2];
+#pragma unroll
+        for (int j = 0; j < COMBINE_CHUNK; ++j) m_max = fmaxf(m_max, mv[j]);
+    }
     for (int d = threadIdx.x % row_threads; d < head_dim; d += row_threads) {
         float num = 0.f, den = 0.f;
-#pragma unroll 4
-        for (int s = 0; s < live; ++s) {
-            const long long prow = s * rows + row;
-            const float w = dec_rescale(part_ml[prow * 2], m_max);
-            den += w * part_ml[prow * 2 + 1];
-            num += w * part_o[prow * head_dim + d];
+        for (int s0 = 0; s0 < live; s0 += COMBINE_CHUNK) {
+            float mv[COMBINE_CHUNK], lv[COMBINE_CHUNK], ov[COMBINE_CHUNK];
+            // Slots past `live` load the last partial again (no predicate on the loads,
+            // which ptxas then issues together) and count with weight 0.
+#pragma unroll
+            for (int j = 0; j < COMBINE_CHUNK; ++j) {
+                const long long prow = (long long)min(s0 + j, live - 1) * rows + row;
+                mv[j] = part_ml[prow * 2];
+                lv[j] = part_ml[prow * 2 + 1];
+                ov[j] = part_o[prow * head_dim + d];
+            }
+            // Left alone, ptxas interleaves each load with the sums that use it, a few
+            // loads in flight at a time; the barrier (whole warps share a row count when a
+            // row takes a multiple of 32 threads) keeps the sums after every load.
+            if ((row_threads & 31) == 0) __syncwarp();
+#pragma unroll
+            for (int j = 0; j < COMBINE_CHUNK; ++j) {
+                const float w = s0 + j < live ? dec_rescale(mv[j], m_max) : 0.f;
+                den += w * lv[j];
+                num += w * ov[j];
+            }
         }
         out[out_row * head_dim + d] = from_f32(den > 0.f ? num / den : 0.f);
     }

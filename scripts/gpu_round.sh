@@ -18,7 +18,8 @@
 #                                     (default: info kernels kernel-bench model serve parity bench)
 #
 # It runs prebuilt binaries from .gpu/ (built on the development machine, see
-# docs/CUDA_NOTES.md): vllm-rs, cuda_kernels, cuda_nvrtc, cuda_bench, worker_tests, and the model
+# docs/CUDA_NOTES.md): vllm-rs (or $BIN, to run another build's stages in the same call),
+# cuda_kernels, cuda_nvrtc, cuda_bench, worker_tests, and the model
 # configs in .gpu/models/<name>/config.json. Random model folders are generated here.
 # gguf-parity reads $G/SmolLM2-135M-Instruct.Q4_1.gguf, or joins $G/smollm2.part* into it,
 # and installs the `gguf` wheel from $G/wheels if transformers cannot import it. A call

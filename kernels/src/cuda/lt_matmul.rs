@@ -27,6 +27,7 @@ use cudarc::cublaslt::{result as lr, sys as ls};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaStream;
 
+use super::device::driver_error;
 use super::dtype::DType;
 use super::gemm_choices::{self, Choice, Mkn};
 
@@ -40,10 +41,6 @@ const TIMED_REPLAYS: usize = 2;
 const TUNE_BELOW_US: f32 = 50.0;
 /// A candidate must beat cuBLAS's default by this factor: closer is timing noise.
 const WIN_FACTOR: f32 = 0.97;
-
-fn driver_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> anyhow::Error + '_ {
-    move |e| anyhow!("CUDA driver: {what} failed: {e:?}")
-}
 
 fn data_type(dtype: DType) -> ls::cudaDataType {
     match dtype {
@@ -182,7 +179,7 @@ impl LtMatmul {
         let gpu = stream
             .context()
             .name()
-            .map_err(driver_err("reading the GPU's name"))?;
+            .map_err(|e| driver_error("reading the GPU's name", e))?;
         // SAFETY: a plain query of the loaded library.
         let version = unsafe { ls::cublasLtGetVersion() };
         let record_path = gemm_choices::record_path(dir, &gpu, version, dtype.name());
@@ -341,11 +338,11 @@ impl LtMatmul {
         ops: Operands,
         baseline: &mut dyn FnMut() -> Result<()>,
     ) -> Result<(Option<Shape>, f32, f32)> {
-        let mut shape = Shape::new(self.dtype, mkn)?;
         let base_us = self.time(baseline)?;
         if base_us > TUNE_BELOW_US {
             return Ok((None, base_us, base_us));
         }
+        let mut shape = Shape::new(self.dtype, mkn)?;
         let mut best: Option<(f32, ls::cublasLtMatmulAlgo_t)> = None;
         for candidate in self.candidates(&shape)? {
             let mut run = || self.matmul(&shape, &candidate.algo, ops);
@@ -414,20 +411,24 @@ impl LtMatmul {
         f()?;
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(driver_err("beginning a capture"))?;
+            .map_err(|e| driver_error("beginning a capture", e))?;
         let enqueued = (0..GRAPH_RUNS).try_for_each(|_| f());
         // End the capture whatever happened, so the stream is usable again.
         let graph = self
             .stream
             .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(driver_err("ending a capture"));
+            .map_err(|e| driver_error("ending a capture", e));
         enqueued?;
         let graph = graph?.ok_or_else(|| anyhow!("timing a GEMM captured an empty graph"))?;
-        let launch = || graph.launch().map_err(driver_err("replaying a graph"));
+        let launch = || {
+            graph
+                .launch()
+                .map_err(|e| driver_error("replaying a graph", e))
+        };
         let event = || {
             self.stream
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(driver_err("recording an event"))
+                .map_err(|e| driver_error("recording an event", e))
         };
         launch()?;
         let start = event()?;
@@ -437,7 +438,7 @@ impl LtMatmul {
         let end = event()?;
         let ms = start
             .elapsed_ms(&end)
-            .map_err(driver_err("timing events"))?;
+            .map_err(|e| driver_error("timing events", e))?;
         Ok(ms * 1000.0 / (GRAPH_RUNS * TIMED_REPLAYS) as f32)
     }
 }

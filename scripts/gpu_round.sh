@@ -8,6 +8,7 @@
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
 #                                     batch-bench (decode steps at batch 256, then ncu per kernel)
+#                                     prefill-bench (a prefill step of ~7,900 tokens, then ncu per kernel)
 #                                     async-check (--async-scheduling vs serial through serve)
 #                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
@@ -358,12 +359,25 @@ batch_bench() {
         --graph-profiling node --metrics gpu__time_duration.sum --cache-control none \
         --clock-control none --csv "$G/worker_tests" $t --ignored --nocapture >"$LOG/ncu.csv" 2>&1
     echo "BENCH ncu (rc=$?), 4 decode steps:"
-    python3 "$G/ncu_sum.py" "$LOG/ncu.csv" | head -30 | sed 's/^/BENCH /'
+    python3 scripts/ncu_sum.py "$LOG/ncu.csv" | head -30 | sed 's/^/BENCH /'
+}
+
+# One prefill step of $VLLM_BENCH_BATCH prompts (default 14: about 7,900 tokens, the size
+# of nanovllm-256's prefill steps), timed, then ncu per kernel of that step alone.
+prefill_bench() {
+    local t=backend::cuda::tests::graphs::decode_batch_bench
+    export VLLM_BENCH_BATCH=${VLLM_BENCH_BATCH:-14} VLLM_BENCH_STEPS=2
+    "$G/worker_tests" $t --ignored --nocapture
+    VLLM_PROFILE_PREFILL=1 timeout -k 5 "${BENCH_TIMEOUT:-240}" "$CUDA_HOME/bin/ncu" --profile-from-start off \
+        --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
+        "$G/worker_tests" $t --ignored --nocapture >"$LOG/ncu-prefill.csv" 2>&1
+    echo "BENCH ncu (rc=$?), the prefill step:"
+    python3 scripts/ncu_sum.py "$LOG/ncu-prefill.csv" | head -30 | sed 's/^/BENCH /'
 }
 
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS
-export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench latency_8b serve_bench llama_8b \
+export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b
 
 for s in $STAGES; do
@@ -379,6 +393,7 @@ for s in $STAGES; do
     offline-bench) stage offline-bench offline_bench "$MODELS/qwen3-0.6b" ;;
     profile) stage profile profile_stage ;;
     batch-bench) stage batch-bench batch_bench ;;
+    prefill-bench) stage prefill-bench prefill_bench ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;

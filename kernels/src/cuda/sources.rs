@@ -4,6 +4,7 @@
 /// (file name, text) in compile order.
 pub const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("csrc/common.cuh")),
+    ("mma.cuh", include_str!("csrc/mma.cuh")),
     ("embedding.cu", include_str!("csrc/embedding.cu")),
     ("norm.cu", include_str!("csrc/norm.cu")),
     ("rotary.cu", include_str!("csrc/rotary.cu")),

@@ -40,23 +40,6 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
     return (unsigned int)from_f32(lo) | ((unsigned int)from_f32(hi) << 16);
 }
 
-__device__ __forceinline__ void mma_16816(float* c, const unsigned int* a, unsigned int b0,
-                                          unsigned int b1) {
-#if defined(VLLM_DTYPE_F16)
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
 template <int D>
 __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     constexpr int KS = D / 16;  // k-steps of Q·Kᵀ
@@ -117,19 +100,26 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
 
     for (int k0 = 0; k0 < tile_keys; k0 += PF_KEYS) {
         __syncthreads();  // the previous tile is consumed
-        for (int c = tid; c < PF_KEYS * (D / 8); c += PF_THREADS) {
-            const int kr = c / (D / 8), d = (c - kr * (D / 8)) * 8;
-            const int p = k0 + kr;
-            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = make_uint4(0u, 0u, 0u, 0u);
-            if (p < tile_keys) {
-                const long long slot = cache_slot(table, p, a.block_size);
-                const long long off = slot * kv_row + (long long)kvh * D + d;
-                kv = *reinterpret_cast<const uint4*>(a.key_cache + off);
-                vv = *reinterpret_cast<const uint4*>(a.value_cache + off);
-            }
-            *reinterpret_cast<uint4*>(&sk[kr * LD + d]) = kv;
-            *reinterpret_cast<uint4*>(&sv[kr * LD + d]) = vv;
+        // Every block-table lookup of the tile first, then every copy: the lookups and
+        // the copies each overlap, instead of a lookup-then-load chain per chunk.
+        constexpr int CHUNKS = PF_KEYS * (D / 8) / PF_THREADS;
+        long long src[CHUNKS];
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const int c = tid + i * PF_THREADS, kr = c / (D / 8), p = k0 + kr;
+            src[i] = p < tile_keys ? cache_slot(table, p, a.block_size) * kv_row : -1;
         }
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const int c = tid + i * PF_THREADS, kr = c / (D / 8), d = (c - kr * (D / 8)) * 8;
+            // Past the keys: zeros, read from the tile's first row (any valid address).
+            const long long off = (src[i] < 0 ? 0 : src[i]) + (long long)kvh * D + d;
+            const int bytes = src[i] < 0 ? 0 : 16;
+            cp_async16(&sk[kr * LD + d], a.key_cache + off, bytes);
+            cp_async16(&sv[kr * LD + d], a.value_cache + off, bytes);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
         __syncthreads();
         if (k0 >= warp_keys) continue;  // every key of this tile is masked for the warp
 
@@ -138,12 +128,20 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
 #pragma unroll
         for (int n = 0; n < PF_KEYS / 8; ++n) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            const u16* krow = &sk[(n * 8 + gid) * LD + tig * 2];
+            // Two k-steps a load: lane l addresses key n*8 + l%8 at dims 8(l/8) onwards.
+            const u16* kl = &sk[(n * 8 + (lane & 7)) * LD + (lane >> 3) * 8];
 #pragma unroll
-            for (int ks = 0; ks < KS; ++ks) {
-                const unsigned int b0 = *reinterpret_cast<const unsigned int*>(krow + ks * 16);
-                const unsigned int b1 = *reinterpret_cast<const unsigned int*>(krow + ks * 16 + 8);
-                mma_16816(s[n], qa[ks], b0, b1);
+            for (int ks = 0; ks + 1 < KS; ks += 2) {
+                unsigned int b[4];
+                ldmatrix_x4(b, kl + ks * 16);
+                mma_16816(s[n], qa[ks], b[0], b[1]);
+                mma_16816(s[n], qa[ks + 1], b[2], b[3]);
+            }
+            if (KS % 2 == 1) {  // D = 16: one k-step
+                const u16* krow = &sk[(n * 8 + gid) * LD + (KS - 1) * 16 + tig * 2];
+                const unsigned int b0 = *reinterpret_cast<const unsigned int*>(krow);
+                const unsigned int b1 = *reinterpret_cast<const unsigned int*>(krow + 8);
+                mma_16816(s[n], qa[KS - 1], b0, b1);
             }
         }
         // Online softmax: mask, scale, row max over the quad, rescale.
@@ -194,15 +192,16 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
             }
             // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
             const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-            const int key_lo = kk * 16 + tig * 2;
+            // V's B fragments, two n-tiles a load, transposed by ldmatrix: lane l addresses
+            // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
+            const u16* vl =
+                &sv[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8];
 #pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const int col = n * 8 + gid;
-                const unsigned int b0 = (unsigned int)sv[key_lo * LD + col] |
-                                        ((unsigned int)sv[(key_lo + 1) * LD + col] << 16);
-                const unsigned int b1 = (unsigned int)sv[(key_lo + 8) * LD + col] |
-                                        ((unsigned int)sv[(key_lo + 9) * LD + col] << 16);
-                mma_16816(o[n], pfrag, b0, b1);
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned int b[4];
+                ldmatrix_x4_trans(b, vl + np * 16);
+                mma_16816(o[2 * np], pfrag, b[0], b[1]);
+                mma_16816(o[2 * np + 1], pfrag, b[2], b[3]);
             }
         }
     }

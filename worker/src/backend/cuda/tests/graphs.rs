@@ -87,16 +87,18 @@ fn greedy_decode(
     prompts: &[Vec<u32>],
     steps: usize,
 ) -> (Vec<Vec<u32>>, Vec<f64>) {
-    greedy_decode_in(r, prompts, steps, 64 / prompts.len())
+    let (out, _, times) = greedy_decode_in(r, prompts, steps, 64 / prompts.len());
+    (out, times)
 }
 
-/// `greedy_decode` with `per_req` blocks for each prompt.
+/// `greedy_decode` with `per_req` blocks for each prompt, also returning the prefill
+/// step's wall time in ms.
 fn greedy_decode_in(
     r: &mut crate::model_runner::ModelRunner<CudaBackend>,
     prompts: &[Vec<u32>],
     steps: usize,
     per_req: usize,
-) -> (Vec<Vec<u32>>, Vec<f64>) {
+) -> (Vec<Vec<u32>>, f64, Vec<f64>) {
     use vllm_protocol::{CachedRequestData, NewRequestData, SchedulerOutput};
     let params = SamplingParams {
         temperature: 0.0,
@@ -135,11 +137,24 @@ fn greedy_decode_in(
             out[i].push(t.token_id);
         }
     };
+    // Under `ncu --profile-from-start off` only the decode steps are profiled, or only
+    // the prefill step with VLLM_PROFILE_PREFILL set; without a profiler attached these
+    // calls do nothing.
+    let profile_prefill = std::env::var_os("VLLM_PROFILE_PREFILL").is_some();
+    // SAFETY (each profiler call): plain driver calls on the runner's current context.
+    if profile_prefill {
+        unsafe { cudarc::driver::sys::cuProfilerStart() };
+    }
+    let t = std::time::Instant::now();
     record(&mut out, r.execute_model_cuda(&first).unwrap());
-    // Under `ncu --profile-from-start off` only the decode steps are profiled; without a
-    // profiler attached these calls do nothing.
-    // SAFETY: plain driver calls on the runner's current context.
-    unsafe { cudarc::driver::sys::cuProfilerStart() };
+    let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
+    unsafe {
+        if profile_prefill {
+            cudarc::driver::sys::cuProfilerStop()
+        } else {
+            cudarc::driver::sys::cuProfilerStart()
+        }
+    };
     let mut times = Vec::with_capacity(steps);
     for step in 0..steps {
         let so = SchedulerOutput {
@@ -163,9 +178,10 @@ fn greedy_decode_in(
         record(&mut out, r.execute_model_cuda(&so).unwrap());
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    // SAFETY: as cuProfilerStart above.
-    unsafe { cudarc::driver::sys::cuProfilerStop() };
-    (out, times)
+    if !profile_prefill {
+        unsafe { cudarc::driver::sys::cuProfilerStop() };
+    }
+    (out, prefill_ms, times)
 }
 
 #[test]
@@ -278,9 +294,14 @@ fn decode_batch_bench() {
         num_blocks: per_req * batch,
     };
     let mut r = runner_for("qwen3-0.6b", None, false, true, shape);
-    let (_, times) = greedy_decode_in(&mut r, &prompts, steps, per_req);
+    let (_, prefill_ms, times) = greedy_decode_in(&mut r, &prompts, steps, per_req);
     let (mean, times) = mean_and_sorted(times);
-    let keys = prompts.iter().map(Vec::len).sum::<usize>() / batch;
+    let tokens = prompts.iter().map(Vec::len).sum::<usize>();
+    let keys = tokens / batch;
+    println!(
+        "BENCH prefill step qwen3-0.6b, {tokens} tokens of {batch} prompts (eager, the \
+         shapes' first run): {prefill_ms:.3} ms"
+    );
     println!(
         "BENCH decode step qwen3-0.6b batch {batch} (mean prompt {keys}, graphs): mean {mean:.3} \
          ms/step, p50 {:.3} ({steps} steps)",

@@ -168,7 +168,9 @@ fn rms_norms_match_cpu() {
     for dtype in DTYPES {
         let c = Ctx::new(&g, dtype);
         let mut r = Lcg(2);
-        for (rows, hidden) in [(7, 1037), (3, 4099), (1, 64)] {
+        // Rows of whole 16-byte chunks take the vectorised path (one chunk a thread), the
+        // others the strided loop.
+        for (rows, hidden) in [(7, 1037), (3, 4099), (1, 64), (5, 1024), (2, 8192)] {
             let x = c.round(&r.vec(rows * hidden, 2.0));
             let w = c.round(&r.vec(hidden, 1.0));
             let mut want = vec![0.0; x.len()];
@@ -293,21 +295,105 @@ fn silu_and_mul_matches_cpu() {
     for dtype in DTYPES {
         let c = Ctx::new(&g, dtype);
         let mut r = Lcg(4);
-        let (rows, d) = (11, 333);
-        let x = c.round(&r.vec(rows * 2 * d, 4.0));
-        let mut want = vec![0.0; rows * d];
-        cpu::silu_and_mul(&x, d, &mut want);
-        let mut out = c.poisoned(rows * d);
-        c.ops
-            .silu_and_mul(&c.upload(&x), &mut out, rows, d)
-            .unwrap();
-        assert_close(
-            "silu_and_mul",
-            dtype,
-            &c.download(&out, want.len()),
-            &want,
-            tol(dtype, 2.0),
-        );
+        // d of whole 16-byte chunks: the vectorised path; 333: one element a step.
+        for (rows, d) in [(11, 333), (7, 3072)] {
+            let x = c.round(&r.vec(rows * 2 * d, 4.0));
+            let mut want = vec![0.0; rows * d];
+            cpu::silu_and_mul(&x, d, &mut want);
+            let mut out = c.poisoned(rows * d);
+            c.ops
+                .silu_and_mul(&c.upload(&x), &mut out, rows, d)
+                .unwrap();
+            assert_close(
+                "silu_and_mul",
+                dtype,
+                &c.download(&out, want.len()),
+                &want,
+                tol(dtype, 2.0),
+            );
+        }
+    }
+}
+
+/// `qkv_prepare` (split, q/k per-head RMSNorm, neox rotary, k and v into the cache, one
+/// launch) against the CPU's split, `rms_norm_per_head`, `rotary_embedding_neox` and
+/// `reshape_and_cache`: head sizes whose lanes take 4 elements and one (36) whose lanes
+/// take one, partial rotary, with and without the norms, and a padding slot whose k and
+/// v go nowhere (the caches start random, so a stray or missing write shows).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn qkv_prepare_matches_cpu() {
+    use vllm_kernels::cuda::QkvPrepare;
+    let Some(g) = gpu() else { return };
+    let (t, hq, hkv, max_pos, num_slots, eps) = (9, 4, 2, 64, 24, 1e-6);
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(29);
+        for (d, rotary_dim, norm) in [(128, 128, true), (64, 32, false), (36, 36, true)] {
+            let (q_row, kv_row) = (hq * d, hkv * d);
+            let qkv = c.round(&r.vec(t * (q_row + 2 * kv_row), 2.0));
+            let (qw, kw) = (c.round(&r.vec(d, 1.0)), c.round(&r.vec(d, 1.0)));
+            let cos_sin = c.round(&r.vec(max_pos * rotary_dim, 1.0));
+            let positions: Vec<i32> = (0..t).map(|_| r.below(max_pos) as i32).collect();
+            let mut slots: Vec<i32> = (0..num_slots as i32).collect();
+            for i in (1..slots.len()).rev() {
+                slots.swap(i, r.below(i + 1));
+            }
+            slots.truncate(t);
+            slots[2] = -1;
+            let kc0 = c.round(&r.vec(num_slots * kv_row, 1.0));
+            let vc0 = c.round(&r.vec(num_slots * kv_row, 1.0));
+
+            let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+            for row in qkv.chunks(q_row + 2 * kv_row) {
+                q.extend_from_slice(&row[..q_row]);
+                k.extend_from_slice(&row[q_row..q_row + kv_row]);
+                v.extend_from_slice(&row[q_row + kv_row..]);
+            }
+            if norm {
+                cpu::rms_norm_per_head(&mut q, &qw, eps);
+                cpu::rms_norm_per_head(&mut k, &kw, eps);
+            }
+            cpu::rotary_embedding_neox(&positions, &mut q, &mut k, d, &cos_sin, rotary_dim);
+            let (mut wk, mut wv) = (kc0.clone(), vc0.clone());
+            cpu::reshape_and_cache(&k, &v, &mut wk, &mut wv, &slots, kv_row);
+
+            let (qwd, kwd) = (c.upload(&qw), c.upload(&kw));
+            let (qkvd, csd) = (c.upload(&qkv), c.upload(&cos_sin));
+            let (posd, slotd) = (c.ints(&positions), c.ints(&slots));
+            let (kc, vc) = (c.upload(&kc0), c.upload(&vc0));
+            let mut q_out = c.poisoned(t * q_row);
+            let args = QkvPrepare {
+                qkv: &qkvd,
+                q_norm: norm.then_some(&qwd),
+                k_norm: norm.then_some(&kwd),
+                eps,
+                positions: &posd,
+                cos_sin: &csd,
+                rotary_dim,
+                slot_mapping: &slotd,
+                key_cache: &kc,
+                value_cache: &vc,
+                num_tokens: t,
+                num_q_heads: hq,
+                num_kv_heads: hkv,
+                head_dim: d,
+            };
+            c.ops.qkv_prepare(&args, &mut q_out).unwrap();
+            let what =
+                |part: &str| format!("qkv_prepare d={d} rotary={rotary_dim} norm={norm} {part}");
+            // Products rounded to the dtype before their sum (rotary.cu) against f32 sums.
+            let t4 = tol(dtype, 4.0);
+            assert_close(&what("q"), dtype, &c.download(&q_out, t * q_row), &q, t4);
+            assert_close(&what("k cache"), dtype, &c.download(&kc, wk.len()), &wk, t4);
+            assert_close(
+                &what("v cache"),
+                dtype,
+                &c.download(&vc, wv.len()),
+                &wv,
+                tol(dtype, 0.0),
+            );
+        }
     }
 }
 

@@ -237,6 +237,17 @@ fn row_threads(cols: usize) -> u32 {
     (cols.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
+/// Threads of a norm's row: one 16-byte chunk each where the row is whole chunks and fits
+/// a block (norm.cu's vectorised path), else `row_threads`.
+fn norm_threads(hidden: usize, dtype: DType) -> u32 {
+    let vec = 16 / dtype.size();
+    if hidden.is_multiple_of(vec) && hidden / vec <= 1024 {
+        row_threads(hidden / vec)
+    } else {
+        row_threads(hidden)
+    }
+}
+
 impl CudaOps {
     /// Builds (or loads from the cache) the module of `dtype` for `dev`.
     pub fn new(dev: &CudaDevice, dtype: DType) -> Result<Self> {
@@ -354,7 +365,7 @@ impl CudaOps {
         self.check(out, rows * hidden, "rms_norm out")?;
         let h = i32_of(hidden, "hidden")?;
         // SAFETY: sizes checked above.
-        launch!(unsafe self, rms_norm, rows_cfg(rows, row_threads(hidden));
+        launch!(unsafe self, rms_norm, rows_cfg(rows, norm_threads(hidden, self.dtype));
             x, weight, out, &h, &eps)
     }
 
@@ -375,7 +386,7 @@ impl CudaOps {
         self.check(weight, hidden, "fused_add_rms_norm weight")?;
         let h = i32_of(hidden, "hidden")?;
         // SAFETY: sizes checked above.
-        launch!(unsafe self, fused_add_rms_norm, rows_cfg(rows, row_threads(hidden));
+        launch!(unsafe self, fused_add_rms_norm, rows_cfg(rows, norm_threads(hidden, self.dtype));
             x, residual, weight, &h, &eps)
     }
 
@@ -452,8 +463,15 @@ impl CudaOps {
         self.check(x, rows * 2 * d, "silu_and_mul x")?;
         self.check(out, rows * d, "silu_and_mul out")?;
         let (r, dd) = (rows as i64, i32_of(d, "d")?);
+        // Threads for 16-byte chunks where d is whole chunks (activation.cu).
+        let vec = 16 / self.dtype.size();
+        let elems = if d.is_multiple_of(vec) {
+            rows * d / vec
+        } else {
+            rows * d
+        };
         // SAFETY: sizes checked above.
-        launch!(unsafe self, silu_and_mul, grid_stride(rows * d, self.num_sms); x, out, &r, &dd)
+        launch!(unsafe self, silu_and_mul, grid_stride(elems, self.num_sms); x, out, &r, &dd)
     }
 
     /// Writes K and V rows [T, kv_row] at their slots; negative slots are skipped.

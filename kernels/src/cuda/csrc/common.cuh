@@ -122,6 +122,36 @@ __device__ __forceinline__ void load4(const scalar_t* p, float* out) {
 #endif
 }
 
+// Four consecutive elements from f32, rounded to the dtype (the address is 4-element
+// aligned).
+__device__ __forceinline__ void store4(scalar_t* p, const float* v) {
+#if defined(VLLM_DTYPE_F32)
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+#else
+    *reinterpret_cast<uint2*>(p) =
+        make_uint2((unsigned int)from_f32(v[0]) | ((unsigned int)from_f32(v[1]) << 16),
+                   (unsigned int)from_f32(v[2]) | ((unsigned int)from_f32(v[3]) << 16));
+#endif
+}
+
+// V (1 or 4) consecutive elements as f32, and back.
+template <int V>
+__device__ __forceinline__ void load_v(const scalar_t* p, float* out) {
+    if (V == 4) {
+        load4(p, out);
+    } else {
+        out[0] = to_f32(*p);
+    }
+}
+template <int V>
+__device__ __forceinline__ void store_v(scalar_t* p, const float* v) {
+    if (V == 4) {
+        store4(p, v);
+    } else {
+        *p = from_f32(v[0]);
+    }
+}
+
 // Elements of one 16-byte load.
 constexpr int VEC16 = 16 / (int)sizeof(scalar_t);
 
@@ -138,6 +168,25 @@ __device__ __forceinline__ void unpack16(const uint4& v, float* f) {
         f[2 * i + 1] = to_f32((u16)(w[i] >> 16));
     }
 #endif
+}
+
+// The converse of unpack16: VEC16 values rounded to the dtype, as one 16-byte chunk.
+__device__ __forceinline__ uint4 pack16(const float* f) {
+    unsigned int w[4];
+#if defined(VLLM_DTYPE_F32)
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = __float_as_uint(f[i]);
+#else
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        w[i] = (unsigned int)from_f32(f[2 * i]) | ((unsigned int)from_f32(f[2 * i + 1]) << 16);
+#endif
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Whether every pointer starts on a 16-byte boundary (the vectorised paths' contract).
+__device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
+    return ((((unsigned long long)a) | ((unsigned long long)b) | ((unsigned long long)c)) & 15ull) == 0;
 }
 
 // The `extern "C"` entry points of a kernel templated on the head size: NAME_d16, _d32,

@@ -2,12 +2,40 @@
 // Sums of squares in f32; the normalised value is rounded to the dtype before the
 // weight multiply, as HF's `weight * hidden.to(dtype)` and vLLM's kernels do.
 
+// A row of one 16-byte chunk per thread: the launch gives a row hidden / VEC16 threads
+// (norm_threads in ops.rs) when hidden is whole chunks, and the values stay in registers
+// between the sum of squares and the scaling. Otherwise a strided loop.
+__device__ __forceinline__ bool norm_vectorised(int hidden, const void* a, const void* b,
+                                                const void* c) {
+    return hidden % VEC16 == 0 && hidden <= (int)blockDim.x * VEC16 && aligned16(a, b, c);
+}
+
 extern "C" __global__ void rms_norm(const scalar_t* __restrict__ x,
                                     const scalar_t* __restrict__ weight,
                                     scalar_t* __restrict__ out, int hidden, float eps) {
     pdl_enter();
     const scalar_t* xr = x + (long long)blockIdx.x * hidden;
     scalar_t* dst = out + (long long)blockIdx.x * hidden;
+    if (norm_vectorised(hidden, x, weight, out)) {
+        const int c = threadIdx.x;
+        const bool mine = c * VEC16 < hidden;
+        float v[VEC16], ss = 0.f;
+        if (mine) {
+            unpack16(reinterpret_cast<const uint4*>(xr)[c], v);
+#pragma unroll
+            for (int j = 0; j < VEC16; j++) ss += v[j] * v[j];
+        }
+        ss = block_sum(ss);
+        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+        if (mine) {
+            float w[VEC16];
+            unpack16(reinterpret_cast<const uint4*>(weight)[c], w);
+#pragma unroll
+            for (int j = 0; j < VEC16; j++) v[j] = round_t(v[j] * inv) * w[j];
+            reinterpret_cast<uint4*>(dst)[c] = pack16(v);
+        }
+        return;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         const float v = to_f32(xr[i]);
@@ -33,6 +61,32 @@ extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
     pdl_enter();
     scalar_t* xr = x + (long long)blockIdx.x * hidden;
     scalar_t* rr = residual + (long long)blockIdx.x * hidden;
+    if (norm_vectorised(hidden, x, residual, weight)) {
+        const int c = threadIdx.x;
+        const bool mine = c * VEC16 < hidden;
+        float z[VEC16], ss = 0.f;
+        if (mine) {
+            float r[VEC16];
+            unpack16(reinterpret_cast<const uint4*>(xr)[c], z);
+            unpack16(reinterpret_cast<const uint4*>(rr)[c], r);
+#pragma unroll
+            for (int j = 0; j < VEC16; j++) {
+                z[j] = round_t(z[j] + r[j]);
+                ss += z[j] * z[j];
+            }
+            reinterpret_cast<uint4*>(rr)[c] = pack16(z);
+        }
+        ss = block_sum(ss);
+        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+        if (mine) {
+            float w[VEC16];
+            unpack16(reinterpret_cast<const uint4*>(weight)[c], w);
+#pragma unroll
+            for (int j = 0; j < VEC16; j++) z[j] = round_t(z[j] * inv) * w[j];
+            reinterpret_cast<uint4*>(xr)[c] = pack16(z);
+        }
+        return;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         const scalar_t z = from_f32(to_f32(xr[i]) + to_f32(rr[i]));

@@ -35,6 +35,73 @@ struct QkvArgs {
     float eps;
 };
 
+// One head of token t, its lane's V consecutive elements at a time (V = 1 or 4; with 4,
+// d and the rotary halves are multiples of 4, so a group never straddles a boundary).
+template <int V>
+__device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, int head, int slot,
+                                                 const scalar_t* src, const scalar_t* w,
+                                                 const scalar_t* cs, float* h) {
+    const int lane = threadIdx.x & 31;
+    const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
+    const long long kv_row = (long long)hkv * d;
+    const int half = a.rotary_dim / 2;
+    const bool is_q = head < hq;
+    if (head >= hq + hkv) {  // a v head: copied to the cache as it is
+        if (slot >= 0) {
+            scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d;
+            for (int i = lane * V; i < d; i += 32 * V) {
+                float v[V];
+                load_v<V>(src + i, v);
+                store_v<V>(dst + i, v);
+            }
+        }
+        return;
+    }
+    if (!is_q && slot < 0) return;  // the k of a padding token goes nowhere
+    float ss = 0.f;
+    for (int i = lane * V; i < d; i += 32 * V) {
+        float v[V];
+        load_v<V>(src + i, v);
+#pragma unroll
+        for (int e = 0; e < V; e++) {
+            h[i + e] = v[e];
+            ss += v[e] * v[e];
+        }
+    }
+    if (w != nullptr) {
+        ss = warp_sum(ss);
+        const float inv = 1.f / sqrtf(ss / (float)d + a.eps);
+        for (int i = lane * V; i < d; i += 32 * V) {
+            float wv[V];
+            load_v<V>(w + i, wv);
+#pragma unroll
+            for (int e = 0; e < V; e++) h[i + e] = round_t(round_t(h[i + e] * inv) * wv[e]);
+        }
+    }
+    __syncwarp();
+    scalar_t* dst = is_q ? a.q_out + (t * hq + head) * d
+                         : a.key_cache + slot * kv_row + (long long)(head - hq) * d;
+    for (int i = lane * V; i < d; i += 32 * V) {
+        float o[V];
+#pragma unroll
+        for (int e = 0; e < V; e++) o[e] = h[i + e];
+        if (i < a.rotary_dim) {
+            // The pair's cos/sin: this half's index j, and the element of the other half.
+            const bool first = i < half;
+            const int j = first ? i : i - half;
+            float c[V], s[V];
+            load_v<V>(cs + j, c);
+            load_v<V>(cs + half + j, s);
+#pragma unroll
+            for (int e = 0; e < V; e++) {
+                o[e] = first ? round_t(h[i + e] * c[e]) + round_t(-h[i + e + half] * s[e])
+                             : round_t(h[i + e] * c[e]) + round_t(h[j + e] * s[e]);
+            }
+        }
+        store_v<V>(dst + i, o);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs a) {
     __shared__ float staged[QKV_WARPS][QKV_MAX_HEAD_DIM];
     const long long t = blockIdx.x;
@@ -46,14 +113,11 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
     // The step's inputs and the weights, read (or brought into L2) before the wait
     // (common.cuh): the position, then the cos/sin row it picks.
     const int slot = a.slot_mapping[t];
-    const long long kv_row = (long long)hkv * d;
     const scalar_t* row = a.qkv + t * heads * d;
     const scalar_t* cs = a.cos_sin + (long long)a.positions[t] * a.rotary_dim;
-    const int half = a.rotary_dim / 2;
     float* h = staged[warp];
     const scalar_t* src = row + (long long)head * d;
-    const bool is_q = head < hq;
-    const scalar_t* w = is_q ? a.q_norm : a.k_norm;
+    const scalar_t* w = head < hq ? a.q_norm : a.k_norm;
     // One lane a 128-byte line: a head's norm weights, then its cos/sin row. Only for a
     // few tokens, where the kernel is one chain of loads: at 256 tokens the prefetches
     // took it from 6.6 to 20.5 µs (H100, docs/BENCHMARKS.md).
@@ -68,38 +132,11 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
         }
     }
     pdl_enter();
-    if (head >= hq + hkv) {  // a v head: copied to the cache as it is
-        if (slot >= 0) {
-            scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d;
-            for (int i = lane; i < d; i += 32) dst[i] = src[i];
-        }
-        return;
-    }
-    if (!is_q && slot < 0) return;  // the k of a padding token goes nowhere
-    float ss = 0.f;
-    for (int i = lane; i < d; i += 32) {
-        const float v = to_f32(src[i]);
-        h[i] = v;
-        ss += v * v;
-    }
-    if (w != nullptr) {
-        ss = warp_sum(ss);
-        const float inv = 1.f / sqrtf(ss / (float)d + a.eps);
-        for (int i = lane; i < d; i += 32) h[i] = round_t(round_t(h[i] * inv) * to_f32(w[i]));
-    }
-    __syncwarp();
-    scalar_t* dst = is_q ? a.q_out + (t * hq + head) * d
-                         : a.key_cache + slot * kv_row + (long long)(head - hq) * d;
-    for (int i = lane; i < d; i += 32) {
-        float o = h[i];
-        if (i < half) {
-            const float c = to_f32(cs[i]), s = to_f32(cs[half + i]);
-            o = round_t(h[i] * c) + round_t(-h[i + half] * s);
-        } else if (i < a.rotary_dim) {
-            const int j = i - half;
-            const float c = to_f32(cs[j]), s = to_f32(cs[half + j]);
-            o = round_t(h[i] * c) + round_t(h[j] * s);
-        }
-        dst[i] = from_f32(o);
+    // Lanes take 4 consecutive elements (one 8-byte access in bf16) where a head and the
+    // rotary halves are whole groups of 4, else one.
+    if (d % 4 == 0 && a.rotary_dim % 8 == 0) {
+        qkv_prepare_head<4>(a, t, head, slot, src, w, cs, h);
+    } else {
+        qkv_prepare_head<1>(a, t, head, slot, src, w, cs, h);
     }
 }

@@ -219,7 +219,7 @@ profile_stage() {
     make_model qwen3-0.6b "$m"
     RUST_LOG=info,vllm_engine_core::step=debug,vllm_worker::step=debug \
         timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench throughput --model "$m" --device cuda \
-        --attention-backend "$att" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 \
+        --attention-backend "$att" $ENGINE_ARGS --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 \
         --ignore-eos 2>"$LOG/profile-steps.err" | sed 's/^/BENCH   /'
     python3 scripts/step_profile.py "$LOG/profile-steps.err" | sed "s/^/STEP /"
 }

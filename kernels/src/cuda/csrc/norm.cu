@@ -10,6 +10,21 @@ __device__ __forceinline__ bool norm_vectorised(int hidden, const void* a, const
     return hidden % VEC16 == 0 && hidden <= (int)blockDim.x * VEC16 && aligned16(a, b, c);
 }
 
+// The vectorised path's end, in every thread of the block: the row's sum of squares from
+// each thread's part `ss`, then this thread's chunk `v` (when it has one) scaled by the
+// inverse RMS, rounded, times the weight, into `dst`.
+__device__ __forceinline__ void norm_chunk_out(float (&v)[VEC16], float ss, bool mine, int hidden,
+                                               float eps, const scalar_t* weight, scalar_t* dst) {
+    ss = block_sum(ss);
+    const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+    if (!mine) return;
+    float w[VEC16];
+    unpack16(reinterpret_cast<const uint4*>(weight)[threadIdx.x], w);
+#pragma unroll
+    for (int j = 0; j < VEC16; j++) v[j] = round_t(v[j] * inv) * w[j];
+    reinterpret_cast<uint4*>(dst)[threadIdx.x] = pack16(v);
+}
+
 extern "C" __global__ void rms_norm(const scalar_t* __restrict__ x,
                                     const scalar_t* __restrict__ weight,
                                     scalar_t* __restrict__ out, int hidden, float eps) {
@@ -25,15 +40,7 @@ extern "C" __global__ void rms_norm(const scalar_t* __restrict__ x,
 #pragma unroll
             for (int j = 0; j < VEC16; j++) ss += v[j] * v[j];
         }
-        ss = block_sum(ss);
-        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
-        if (mine) {
-            float w[VEC16];
-            unpack16(reinterpret_cast<const uint4*>(weight)[c], w);
-#pragma unroll
-            for (int j = 0; j < VEC16; j++) v[j] = round_t(v[j] * inv) * w[j];
-            reinterpret_cast<uint4*>(dst)[c] = pack16(v);
-        }
+        norm_chunk_out(v, ss, mine, hidden, eps, weight, dst);
         return;
     }
     float ss = 0.f;
@@ -76,15 +83,7 @@ extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
             }
             reinterpret_cast<uint4*>(rr)[c] = pack16(z);
         }
-        ss = block_sum(ss);
-        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
-        if (mine) {
-            float w[VEC16];
-            unpack16(reinterpret_cast<const uint4*>(weight)[c], w);
-#pragma unroll
-            for (int j = 0; j < VEC16; j++) z[j] = round_t(z[j] * inv) * w[j];
-            reinterpret_cast<uint4*>(xr)[c] = pack16(z);
-        }
+        norm_chunk_out(z, ss, mine, hidden, eps, weight, xr);
         return;
     }
     float ss = 0.f;

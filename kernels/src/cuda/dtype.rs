@@ -28,6 +28,11 @@ impl DType {
         }
     }
 
+    /// Elements in one 16-byte access (`VEC16` of csrc/common.cuh).
+    pub fn vec16(self) -> usize {
+        16 / self.size()
+    }
+
     /// vLLM's name of the dtype.
     pub fn name(self) -> &'static str {
         match self {

@@ -20,7 +20,7 @@ impl CudaOps {
     /// Whether `gemv` takes this product: at most `GEMV_MAX_M` rows, rows of whole 16-byte
     /// chunks, and 16-byte aligned buffers.
     pub fn gemv_fits(&self, bufs: [&CudaSlice<u8>; 3], m: usize, k: usize) -> bool {
-        let vec = 16 / self.dtype.size();
+        let vec = self.dtype.vec16();
         (1..=GEMV_MAX_M).contains(&m)
             && k.is_multiple_of(vec)
             && bufs.iter().all(|b| {

@@ -240,7 +240,7 @@ fn row_threads(cols: usize) -> u32 {
 /// Threads of a norm's row: one 16-byte chunk each where the row is whole chunks and fits
 /// a block (norm.cu's vectorised path), else `row_threads`.
 fn norm_threads(hidden: usize, dtype: DType) -> u32 {
-    let vec = 16 / dtype.size();
+    let vec = dtype.vec16();
     if hidden.is_multiple_of(vec) && hidden / vec <= 1024 {
         row_threads(hidden / vec)
     } else {
@@ -464,7 +464,7 @@ impl CudaOps {
         self.check(out, rows * d, "silu_and_mul out")?;
         let (r, dd) = (rows as i64, i32_of(d, "d")?);
         // Threads for 16-byte chunks where d is whole chunks (activation.cu).
-        let vec = 16 / self.dtype.size();
+        let vec = self.dtype.vec16();
         let elems = if d.is_multiple_of(vec) {
             rows * d / vec
         } else {

@@ -36,10 +36,6 @@ struct PrefillArgs {
     float scale;
 };
 
-__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-    return (unsigned int)from_f32(lo) | ((unsigned int)from_f32(hi) << 16);
-}
-
 template <int D>
 __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     constexpr int KS = D / 16;  // k-steps of Q·Kᵀ

@@ -122,15 +122,20 @@ __device__ __forceinline__ void load4(const scalar_t* p, float* out) {
 #endif
 }
 
+#if !defined(VLLM_DTYPE_F32)
+// Two values rounded to the 16-bit dtype, packed in one word (lo in the low half).
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    return (unsigned int)from_f32(lo) | ((unsigned int)from_f32(hi) << 16);
+}
+#endif
+
 // Four consecutive elements from f32, rounded to the dtype (the address is 4-element
 // aligned).
 __device__ __forceinline__ void store4(scalar_t* p, const float* v) {
 #if defined(VLLM_DTYPE_F32)
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
 #else
-    *reinterpret_cast<uint2*>(p) =
-        make_uint2((unsigned int)from_f32(v[0]) | ((unsigned int)from_f32(v[1]) << 16),
-                   (unsigned int)from_f32(v[2]) | ((unsigned int)from_f32(v[3]) << 16));
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack2(v[0], v[1]), pack2(v[2], v[3]));
 #endif
 }
 
@@ -178,8 +183,7 @@ __device__ __forceinline__ uint4 pack16(const float* f) {
     for (int i = 0; i < 4; i++) w[i] = __float_as_uint(f[i]);
 #else
 #pragma unroll
-    for (int i = 0; i < 4; i++)
-        w[i] = (unsigned int)from_f32(f[2 * i]) | ((unsigned int)from_f32(f[2 * i + 1]) << 16);
+    for (int i = 0; i < 4; i++) w[i] = pack2(f[2 * i], f[2 * i + 1]);
 #endif
     return make_uint4(w[0], w[1], w[2], w[3]);
 }

@@ -141,20 +141,20 @@ fn greedy_decode_in(
     // the prefill step with VLLM_PROFILE_PREFILL set; without a profiler attached these
     // calls do nothing.
     let profile_prefill = std::env::var_os("VLLM_PROFILE_PREFILL").is_some();
-    // SAFETY (each profiler call): plain driver calls on the runner's current context.
-    if profile_prefill {
-        unsafe { cudarc::driver::sys::cuProfilerStart() };
-    }
+    // SAFETY: plain driver calls on the runner's current context; stopping a stopped
+    // profiler does nothing.
+    let profiling = |on: bool| unsafe {
+        if on {
+            cudarc::driver::sys::cuProfilerStart()
+        } else {
+            cudarc::driver::sys::cuProfilerStop()
+        }
+    };
+    profiling(profile_prefill);
     let t = std::time::Instant::now();
     record(&mut out, r.execute_model_cuda(&first).unwrap());
     let prefill_ms = t.elapsed().as_secs_f64() * 1e3;
-    unsafe {
-        if profile_prefill {
-            cudarc::driver::sys::cuProfilerStop()
-        } else {
-            cudarc::driver::sys::cuProfilerStart()
-        }
-    };
+    profiling(!profile_prefill);
     let mut times = Vec::with_capacity(steps);
     for step in 0..steps {
         let so = SchedulerOutput {
@@ -178,9 +178,7 @@ fn greedy_decode_in(
         record(&mut out, r.execute_model_cuda(&so).unwrap());
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    if !profile_prefill {
-        unsafe { cudarc::driver::sys::cuProfilerStop() };
-    }
+    profiling(false);
     (out, prefill_ms, times)
 }
 

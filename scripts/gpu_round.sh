@@ -9,6 +9,7 @@
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
 #                                     batch-bench (decode steps at batch 256, then ncu per kernel)
 #                                     prefill-bench (a prefill step of ~7,900 tokens, then ncu per kernel)
+#                                     sampling-bench (the sampler at batch 256, then ncu per case)
 #                                     async-check (--async-scheduling vs serial through serve)
 #                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
@@ -375,9 +376,24 @@ prefill_bench() {
     python3 scripts/ncu_sum.py "$LOG/ncu-prefill.csv" | head -30 | sed 's/^/BENCH /'
 }
 
+# The sampling benchmarks (cuda_bench, 256 rows of Qwen's vocabulary, the whole call),
+# then each case under ncu: GPU time per kernel over its 27 calls.
+sampling_bench() {
+    local t=sampling_kernels case
+    "$G/cuda_bench" $t --ignored --nocapture
+    for case in "greedy" "temperature 0.6" "temperature 0.6 min-p 0.05" "t 0.6 top-k 20 top-p 0.95" \
+        "t 0.6 top-p 0.9 (peaked)" "t 0.6 top-k 20 top-p 0.95 (peaked)"; do
+        VLLM_BENCH_CASE="$case" timeout -k 5 "${BENCH_TIMEOUT:-120}" "$CUDA_HOME/bin/ncu" \
+            --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
+            "$G/cuda_bench" $t --ignored --nocapture >"$LOG/ncu-sampling.csv" 2>&1
+        echo "BENCH ncu (rc=$?) '$case', 27 calls:"
+        python3 scripts/ncu_sum.py "$LOG/ncu-sampling.csv" | head -8 | sed 's/^/BENCH /'
+    done
+}
+
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS
-export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench latency_8b serve_bench llama_8b \
+export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b
 
 for s in $STAGES; do
@@ -394,6 +410,7 @@ for s in $STAGES; do
     profile) stage profile profile_stage ;;
     batch-bench) stage batch-bench batch_bench ;;
     prefill-bench) stage prefill-bench prefill_bench ;;
+    sampling-bench) stage sampling-bench sampling_bench ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;

@@ -108,6 +108,16 @@ fn decode_step_kernels() {
     gemms(&dev);
 }
 
+/// The sampling benchmarks alone (`scripts/gpu_round.sh sampling-bench` runs them, then
+/// each case under ncu).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh sampling-bench runs it"]
+fn sampling_kernels() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    sampling(&dev, &ops);
+}
+
 fn attention(dev: &CudaDevice, ops: &CudaOps) {
     let blocks_per_seq = (CONTEXT + 1).div_ceil(BS);
     let num_blocks = SEQS * blocks_per_seq;
@@ -409,6 +419,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// model's confident row). The floor is one read of the logits (78 MB: about 26 us at
 /// 3 TB/s).
 fn sampling(dev: &CudaDevice, ops: &CudaOps) {
+    // `VLLM_BENCH_CASE`: only the case of that name (one case under ncu).
+    let only = std::env::var("VLLM_BENCH_CASE").unwrap_or_default();
     let logits = random(dev, SEQS * VOCAB, 4);
     let peaked = peaked(dev, 4);
     let bytes = (SEQS * VOCAB * 2) as f64;
@@ -435,6 +447,9 @@ fn sampling(dev: &CudaDevice, ops: &CudaOps) {
             true,
         ),
     ] {
+        if !only.is_empty() && name != only {
+            continue;
+        }
         let row = SampleRowEx::plain(SampleRow {
             temperature,
             top_k,

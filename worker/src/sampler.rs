@@ -247,11 +247,19 @@ fn sample_random(row: &mut [f32], params: &SamplingParams, uniform: f64) -> u32 
     draw(&cand, row, max, uniform).unwrap_or(fallback)
 }
 
+/// A scaled logit's unnormalised probability: exp(y - max) with the difference taken in
+/// f64 (exact for any two f32s within 2^29 of each other's magnitude), so that a GPU
+/// kernel may factor it as exp(y - m) · exp(m - max) through any m and stay within f64
+/// rounding of this.
+fn weight(y: f32, max: f32) -> f64 {
+    (f64::from(y) - f64::from(max)).exp()
+}
+
 /// Drops tokens whose probability is below min_p × the top probability; the top token
 /// always survives, since its ratio is 1.
 fn apply_min_p(cand: &mut Vec<u32>, row: &[f32], max: f32, min_p: f32) {
     let min_p = f64::from(min_p);
-    cand.retain(|&t| f64::from(row[t as usize] - max).exp() >= min_p);
+    cand.retain(|&t| weight(row[t as usize], max) >= min_p);
 }
 
 /// Keeps tokens whose logit is at least the k-th largest (ties at the threshold stay, as in
@@ -269,8 +277,8 @@ fn apply_top_k(cand: &mut Vec<u32>, row: &[f32], k: usize) {
 /// Keeps the smallest set of most likely tokens whose renormalised mass reaches top_p,
 /// always at least the top token.
 fn apply_top_p(cand: &mut Vec<u32>, row: &[f32], max: f32, top_p: f32) {
-    let weight = |t: u32| f64::from(row[t as usize] - max).exp();
-    let total: f64 = cand.iter().map(|&t| weight(t)).sum();
+    let weight_of = |t: u32| weight(row[t as usize], max);
+    let total: f64 = cand.iter().map(|&t| weight_of(t)).sum();
     let mut by_prob = cand.clone();
     // Best first; ties to the lowest id, so the cut is deterministic.
     by_prob.sort_unstable_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
@@ -278,7 +286,7 @@ fn apply_top_p(cand: &mut Vec<u32>, row: &[f32], max: f32, top_p: f32) {
     let mut mass = 0.0;
     let mut keep = by_prob.len();
     for (i, &t) in by_prob.iter().enumerate() {
-        mass += weight(t);
+        mass += weight_of(t);
         if mass >= target {
             keep = i + 1;
             break;
@@ -292,10 +300,7 @@ fn apply_top_p(cand: &mut Vec<u32>, row: &[f32], max: f32, top_p: f32) {
 /// Inverse CDF over the candidates' renormalised probabilities, in token id order, with
 /// f64 accumulation. None when no candidate has weight.
 fn draw(cand: &[u32], row: &[f32], max: f32, uniform: f64) -> Option<u32> {
-    let weights: Vec<f64> = cand
-        .iter()
-        .map(|&t| f64::from(row[t as usize] - max).exp())
-        .collect();
+    let weights: Vec<f64> = cand.iter().map(|&t| weight(row[t as usize], max)).collect();
     let total: f64 = weights.iter().sum();
     if !(total > 0.0 && total.is_finite()) {
         return None;

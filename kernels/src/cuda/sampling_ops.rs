@@ -119,6 +119,13 @@ impl SampleRowEx {
         self.is_top() && self.base.top_k <= 0
     }
 
+    /// A draw that `sample_fast_max_draw` finishes in its one pass (`one_pass_row` in
+    /// sampling_fast.cu): temperature without min-p, top-k or top-p.
+    fn one_pass(&self) -> bool {
+        let min_p_off = self.base.min_p <= 0.0 || self.base.min_p.is_nan();
+        !self.is_greedy() && !self.is_top() && min_p_off
+    }
+
     /// Greedy as the kernels decide it (`temperature < 1e-5`).
     pub fn is_greedy(&self) -> bool {
         self.base.temperature < 1e-5
@@ -392,6 +399,38 @@ impl SamplingScratch {
     }
 }
 
+/// Which kernels of the fast path a batch takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct FastPlan {
+    /// Some rows are top rows: `sample_fast_top` (their candidates and merge) instead of
+    /// `sample_fast_max`, and `sample_fast_draw_top` when a second launch is needed.
+    top: bool,
+    /// Some row is drawn in the first launch's one pass (`sample_fast_max_draw`).
+    one_pass: bool,
+    /// A second launch is needed: min-p rows, top-p rows that may need the row's total
+    /// mass, and in top batches every plain temperature row (`sample_fast_top` takes only
+    /// their maximum).
+    draw: bool,
+}
+
+impl FastPlan {
+    /// The plan of the rows that take the fast path.
+    fn of<'a>(rows: impl Iterator<Item = &'a SampleRowEx>) -> Self {
+        let (mut top, mut one_pass, mut min_p, mut need_total) = (false, false, false, false);
+        for r in rows {
+            top |= r.is_top();
+            one_pass |= r.one_pass();
+            min_p |= !r.is_greedy() && !r.is_top() && !r.one_pass();
+            need_total |= r.may_need_total();
+        }
+        Self {
+            top,
+            one_pass: one_pass && !top,
+            draw: min_p || need_total || (top && one_pass),
+        }
+    }
+}
+
 /// What `enqueue_sampling` launched.
 struct Enqueued {
     /// The rows as uploaded (with their paths).
@@ -429,19 +468,21 @@ impl CudaOps {
         }
     }
 
-    /// The fast path's launches over the rows marked [`PATH_FAST`] in `s.params` (`draw`:
-    /// a second launch is needed; `top`: some rows are top rows, whose kernels also merge
-    /// candidates and may set a row's path back to 0); the other rows' blocks return at
-    /// once.
+    /// The fast path's launches over the rows marked [`PATH_FAST`] in `s.params`, as
+    /// `plan` says; the other rows' blocks return at once.
     fn sample_fast(
         &self,
         logits: &CudaSlice<u8>,
         vocab: i32,
         rows: usize,
         s: &mut ScratchBuffers,
-        draw: bool,
-        top: bool,
+        plan: FastPlan,
     ) -> Result<()> {
+        let FastPlan {
+            top,
+            one_pass,
+            draw,
+        } = plan;
         let chunks = (vocab as usize).div_ceil(FAST_CHUNK);
         ensure!(
             chunks <= 65_535 && rows <= i32::MAX as usize && (!top || rows <= 65_535),
@@ -468,9 +509,16 @@ impl CudaOps {
                 &mut s.cand_bound, &mut s.counters, &mut s.row_max, &mut s.row_fallback,
                 &mut s.tokens)?;
         } else {
-            launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, &s.params,
-                &mut s.part_val, &mut s.part_id, &mut s.counters, &mut s.row_max,
-                &mut s.row_fallback, &mut s.tokens)?;
+            // The same arguments; the draw variant carries the exp code.
+            if one_pass {
+                launch!(unsafe self, sample_fast_max_draw, cfg; logits, &vocab, &s.params,
+                    &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
+                    &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
+            } else {
+                launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, &s.params,
+                    &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
+                    &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
+            }
         }
         if !draw {
             return Ok(());
@@ -639,7 +687,7 @@ impl CudaOps {
         let v = i32::try_from(vocab)
             .map_err(|_| anyhow::anyhow!("vocab = {vocab} does not fit the kernels' i32"))?;
         let mut rows_ex = batch.rows.to_vec();
-        let (mut fast, mut draw, mut top) = (0usize, false, false);
+        let mut fast = 0usize;
         for r in &mut rows_ex {
             let fits = !r.is_top() || vocab <= TOP_MAX_VOCAB;
             r.path = if r.takes_fast_path() && fits {
@@ -647,12 +695,9 @@ impl CudaOps {
             } else {
                 0
             };
-            if r.path == PATH_FAST {
-                fast += 1;
-                draw |= !r.is_greedy() && (!r.is_top() || r.may_need_total());
-                top |= r.is_top();
-            }
+            fast += usize::from(r.path == PATH_FAST);
         }
+        let plan = FastPlan::of(rows_ex.iter().filter(|r| r.path == PATH_FAST));
         s.upload_rows(self, &rows_ex)?;
         if poison {
             self.stream
@@ -660,16 +705,16 @@ impl CudaOps {
                 .map_err(|e| driver_error("poisoning sampled tokens", e))?;
         }
         if fast > 0 {
-            self.sample_fast(logits, v, rows, s, draw, top)?;
+            self.sample_fast(logits, v, rows, s, plan)?;
         }
         // After the fast path: its top rows that could not be exact come back with path 0.
         let mut logprobs = None;
-        if fast < rows || top {
+        if fast < rows || plan.top {
             logprobs = self.sample_general(logits, v, batch, poison, s)?;
         }
         Ok(Enqueued {
             rows_ex,
-            top,
+            top: plan.top,
             logprobs,
         })
     }
@@ -725,11 +770,10 @@ mod tests {
     /// `exp_neg` of sampling_fast.cu, step for step in f64 (fma is the same IEEE
     /// operation on both sides). The constants are the CUDA source's, verbatim.
     #[allow(clippy::excessive_precision)]
-    fn exp_neg(d: f32) -> f64 {
-        if d < -700.0 {
-            return f64::from(d).exp();
+    fn exp_neg(x: f64) -> f64 {
+        if x < -700.0 {
+            return x.exp();
         }
-        let x = f64::from(d);
         let shifted = x.mul_add(92.332482616893656, 6755399441055744.0);
         let k = shifted.to_bits() as u32 as i32;
         let kd = shifted - 6755399441055744.0;
@@ -757,8 +801,8 @@ mod tests {
                 .wrapping_add(1_442_695_040_888_963_407);
             let u = (s >> 40) as f32 / (1u64 << 24) as f32;
             // Mostly the range logits span, some down to the underflow edge.
-            let d = if i % 10 == 0 { -750.0 * u } else { -40.0 * u };
-            let (got, want) = (exp_neg(d), f64::from(d).exp());
+            let d = f64::from(if i % 10 == 0 { -750.0 * u } else { -40.0 * u });
+            let (got, want) = (exp_neg(d), d.exp());
             let ulp = got.to_bits().abs_diff(want.to_bits());
             worst = worst.max(ulp);
         }
@@ -790,6 +834,38 @@ mod tests {
         let mut ent = SampleRowEx::plain(base(0.0, 0, 1.0, 0.0));
         ent.entry_end = 1;
         assert!(!ent.takes_fast_path());
+    }
+
+    #[test]
+    fn fast_plans_launch_what_their_rows_need() {
+        let row = |temperature, top_k, top_p, min_p| {
+            SampleRowEx::plain(SampleRow {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+                uniform: 0.5,
+            })
+        };
+        let greedy = row(0.0, 0, 1.0, 0.0);
+        let plain = row(0.7, 0, 1.0, 0.0);
+        let min_p = row(0.7, 0, 1.0, 0.1);
+        let top_k = row(0.7, 20, 1.0, 0.0);
+        let top_p = row(0.7, 0, 0.9, 0.0);
+        let plan = |rows: &[SampleRowEx]| FastPlan::of(rows.iter());
+        let want = |top, one_pass, draw| FastPlan {
+            top,
+            one_pass,
+            draw,
+        };
+        assert_eq!(plan(&[greedy]), want(false, false, false));
+        assert_eq!(plan(&[greedy, plain]), want(false, true, false));
+        assert_eq!(plan(&[plain, min_p]), want(false, true, true));
+        assert_eq!(plan(&[greedy, min_p]), want(false, false, true));
+        assert_eq!(plan(&[greedy, top_k]), want(true, false, false));
+        assert_eq!(plan(&[top_p]), want(true, false, true));
+        // sample_fast_top takes only a plain row's maximum: the second launch draws it.
+        assert_eq!(plan(&[top_k, plain]), want(true, false, true));
     }
 
     #[test]

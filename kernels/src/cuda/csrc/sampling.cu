@@ -169,6 +169,7 @@ struct RowView {
     int e_begin, e_end, e_lo;
     float inv_t;
     float max_y;
+    double max_y_d;  // (double)max_y, converted once (a conversion issues at a quarter rate)
     double min_p;
     unsigned int topk_key;  // keep keys >= this (0: off)
     // top-p cut: keys > cut_key kept; keys == cut_key kept for the first cut_ties ids.
@@ -198,7 +199,8 @@ struct RowView {
         return v == 0.f ? 0.f : v;
     }
     __device__ float y(int t, int& e) const { return scaled(logit(t, e)); }
-    __device__ double weight(float v) const { return exp((double)(v - max_y)); }
+    // The CPU's weight: exp of the difference, exact in f64.
+    __device__ double weight(float v) const { return exp((double)v - max_y_d); }
     // Survives min-p, top-k and top-p. `rank` counts the ties at the top-p cut met so far
     // in id order (the first `cut_ties` of them are kept).
     __device__ bool kept(float v, int& rank) const {
@@ -237,6 +239,7 @@ __device__ void init_row_view(RowView& r, const scalar_t* x, int vocab, const Lo
     r.e_lo = b;
     r.inv_t = 1.f;
     r.max_y = NEG_INF;
+    r.max_y_d = (double)NEG_INF;
     r.min_p = 0.0;
     r.topk_key = 0;
     r.top_p_on = false;
@@ -382,6 +385,7 @@ __device__ int choose_token(RowView& r, const SampleRow& p, int vocab) {
     r.inv_t = 1.f / p.temperature;
     r.min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
     r.max_y = r.scaled(r.logit_at(fallback));
+    r.max_y_d = (double)r.max_y;
     if (r.max_y == NEG_INF) return fallback;
 
     if (p.top_k > 0) {

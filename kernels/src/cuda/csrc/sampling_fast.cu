@@ -2,17 +2,23 @@
 // temperature (+ min-p) sampling, each row split over many blocks so that a decode batch
 // fills every SM with 16-byte loads in flight (sampling.cu's one block per row left most
 // of the memory system idle). Same semantics as `sample_tokens_ex` and the CPU sampler
-// (worker/src/sampler.rs): first argmax; weights exp((double)(y - max_y)) of the scaled
-// logits y; min-p drops weights below min_p; inverse CDF in token-id order from the host's
+// (worker/src/sampler.rs): first argmax; weights exp((double)y - (double)max_y) of the
+// scaled logits y; min-p drops weights below min_p; inverse CDF in token-id order from the host's
 // uniform, f64 accumulation; the same fallbacks at the rounding edges.
 //
-// Two launches, each over (row, chunk of FAST_CHUNK tokens) blocks; the last block of a
-// row to finish (an atomic counter per row, reset by that block for the next launch)
-// reduces the row's chunk results, so nothing waits on another block:
-// 1. `sample_fast_max`: chunk argmax → the row's argmax (the greedy token, and the
-//    fallback and max_y of temperature rows);
-// 2. `sample_fast_draw` (temperature rows): chunk mass of the kept tokens → the chunk the
-//    target u·total falls in → that chunk walked in id order by its last block.
+// Each launch is over (row, chunk of FAST_CHUNK tokens) blocks; the last block of a row to
+// finish (an atomic counter per row, reset by that block for the next launch) reduces the
+// row's chunk results, so nothing waits on another block:
+// 1. `sample_fast_max`: chunk argmax → the row's argmax (the greedy token, and the fallback
+//    and max_y of temperature rows). `sample_fast_max_draw`, the same for batches with
+//    plain temperature rows (no min-p, top-k or top-p), draws those too: a chunk's mass
+//    is summed relative to the chunk's own maximum while its tokens are in registers, and
+//    the row's last block scales each by exp(m_c - max_y), finds the chunk the target
+//    u·total falls in and walks it in id order with the CPU's weights exp(y - max_y). The
+//    weights are exact differences in f64, so the factored masses are the CPU's up to f64
+//    rounding, like any sum order.
+// 2. `sample_fast_draw` (min-p rows, which need max_y before any weight): chunk mass of
+//    the kept tokens → the same search and walk.
 // Batches with top-k / top-p rows use `sample_fast_top` and `sample_fast_draw_top`
 // instead, the same work plus those rows' candidates and merge (below); the second
 // launch only when some row needs it.
@@ -24,13 +30,10 @@
 // Elements of one 16-byte load.
 #define FAST_VEC (16 / (int)sizeof(scalar_t))
 
-// exp((double)d) for a finite d <= 0, within a few ulp of the libm value, with about half
-// the double-precision instructions of exp() and one 64-bit conversion (those issue at a
-// quarter of the f64 rate): a weight pass is bound by the SM's f64 throughput, not by
-// memory. 2^(j/64) comes from `tab` (j < 64, in shared memory).
-__device__ __forceinline__ double exp_neg(float d, const double* tab) {
-    if (d < -700.f) return exp((double)d);  // near underflow: the library's care, rarely taken
-    const double x = (double)d;
+// exp(x) for -708 <= x <= 0, within a few ulp of the libm value, with about half the
+// double-precision instructions of exp() and no branch: a weight pass is bound by the
+// SM's f64 pipe, not by memory. 2^(j/64) comes from `tab` (j < 64, in shared memory).
+__device__ __forceinline__ double exp_core(double x, const double* tab) {
     // k = rint(x · 64/ln2) by the 1.5·2^52 shifter: k is the low word, no rounding or
     // float-to-int instruction.
     const double shifted = fma(x, 92.332482616893656, 6755399441055744.0);
@@ -47,10 +50,15 @@ __device__ __forceinline__ double exp_neg(float d, const double* tab) {
     p = fma(p, r, 1.0);
     p = fma(p, r, 1.0);
     // 2^(k/64) = tab[k mod 64] · 2^floor(k/64): the power of two added to the exponent
-    // field (no underflow: k/64 >= -1010 here).
+    // field (no underflow: k/64 >= -1022 here).
     const double t = tab[k & 63];
     const double scaled = __hiloint2double(__double2hiint(t) + ((k >> 6) << 20), __double2loint(t));
     return p * scaled;
+}
+
+// exp(x) for x <= 0, the library's care near underflow.
+__device__ __forceinline__ double exp_neg(double x, const double* tab) {
+    return x < -700.0 ? exp(x) : exp_core(x, tab);
 }
 
 __device__ __forceinline__ void fill_exp_table(double* tab) {
@@ -58,29 +66,99 @@ __device__ __forceinline__ void fill_exp_table(double* tab) {
     __syncthreads();
 }
 
-// Calls f(t, raw logit) for the tokens of [lo, hi) this thread owns, in increasing id
-// order within the thread; threads interleave in 16-byte vectors so that a warp's loads
-// are coalesced, all of a full chunk's loads issued before the first use.
-template <typename F>
-__device__ __forceinline__ void for_chunk(const scalar_t* __restrict__ x, int lo, int hi, F f) {
-    constexpr int PER = FAST_CHUNK / FAST_VEC / FAST_THREADS;
-    const bool aligned = (((unsigned long long)(x + lo)) & 15ull) == 0;
-    if (aligned && hi - lo == FAST_CHUNK && blockDim.x == FAST_THREADS) {
-        uint4 raw[PER];
+// 16-byte vectors of a full chunk a thread loads.
+#define FAST_PER (FAST_CHUNK / FAST_VEC / FAST_THREADS)
+// Blocks an SM `sample_fast_max_draw` is compiled for: up to 64 registers, which a
+// one-pass row's eight interleaved exp chains need (ptxas's own choice, 48, spilled).
+#define FAST_MAX_BLOCKS 4
+
+// This thread's 16-byte vectors of [lo, hi): threads interleave in vectors, so that a
+// warp's loads are coalesced, all issued before the first use (none past hi: the row is
+// whole vectors).
+__device__ __forceinline__ void load_vectors(const scalar_t* __restrict__ x, int lo, int hi,
+                                             uint4 (&raw)[FAST_PER]) {
 #pragma unroll
-        for (int k = 0; k < PER; ++k)
-            raw[k] = ((const uint4*)(x + lo))[k * FAST_THREADS + threadIdx.x];
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const scalar_t* v = (const scalar_t*)&raw[k];
-            const int t0 = lo + (k * FAST_THREADS + (int)threadIdx.x) * FAST_VEC;
-#pragma unroll
-            for (int j = 0; j < FAST_VEC; ++j) f(t0 + j, to_f32(v[j]));
-        }
-        return;
+    for (int k = 0; k < FAST_PER; ++k) {
+        const int t0 = lo + (k * FAST_THREADS + (int)threadIdx.x) * FAST_VEC;
+        raw[k] = t0 < hi ? *(const uint4*)(x + t0) : make_uint4(0u, 0u, 0u, 0u);
     }
-    // A short last chunk or an unaligned row: one element a step, still coalesced.
-    for (int t = lo + (int)threadIdx.x; t < hi; t += blockDim.x) f(t, to_f32(x[t]));
+}
+
+// Calls f(t, raw logit) for this thread's tokens of [lo, hi) held in `raw`, in increasing
+// id order.
+template <typename F>
+__device__ __forceinline__ void for_vectors(const uint4 (&raw)[FAST_PER], int lo, int hi, F f) {
+#pragma unroll
+    for (int k = 0; k < FAST_PER; ++k) {
+        const int t0 = lo + (k * FAST_THREADS + (int)threadIdx.x) * FAST_VEC;
+        if (t0 >= hi) break;
+        const scalar_t* v = (const scalar_t*)&raw[k];
+#pragma unroll
+        for (int j = 0; j < FAST_VEC; ++j) f(t0 + j, to_f32(v[j]));
+    }
+}
+
+// Calls f(t, raw logit) for this thread's tokens of one chunk in increasing id order: from
+// the registers `cur` (`vec`), or loaded one at a time (rows that are not whole, aligned
+// 16-byte vectors).
+struct ChunkTokens {
+    const uint4 (&cur)[FAST_PER];
+    const scalar_t* x;
+    int lo, hi;
+    bool vec;
+    template <typename F>
+    __device__ __forceinline__ void operator()(F f) const {
+        if (vec) for_vectors(cur, lo, hi, f);
+        else for (int t = lo + (int)threadIdx.x; t < hi; t += blockDim.x) f(t, to_f32(x[t]));
+    }
+    // The thread's first token (NO_TOKEN: none).
+    __device__ __forceinline__ int first() const {
+        const int t = lo + (int)threadIdx.x * (vec ? FAST_VEC : 1);
+        return t < hi ? t : NO_TOKEN;
+    }
+};
+
+// The chunk's first argmax of the sanitised logits (every thread gets it). Compared raw:
+// a NaN is never larger and +inf is larger than any finite logit, as after sanitize,
+// unless a finite logit equals +inf's stand-in FLT_MAX (f32 logits only): a chunk whose
+// maximum is +inf is compared again, sanitised. A thread's first token stands for its
+// all -inf / NaN tokens, so that such a chunk gives its first token, as the CPU.
+__device__ __forceinline__ void block_chunk_argmax(const ChunkTokens& visit, float& best,
+                                                   int& best_id) {
+    best = NEG_INF;
+    best_id = NO_TOKEN;
+    visit([&](int t, float raw) {
+        if (raw > best) {
+            best = raw;
+            best_id = t;
+        }
+    });
+    if (best_id == NO_TOKEN) best_id = visit.first();
+    block_argmax(best, best_id, NO_TOKEN);
+    if (best != __int_as_float(0x7f800000)) return;
+    best = NEG_INF;
+    best_id = NO_TOKEN;
+    visit([&](int t, float raw) {
+        const float v = sanitize(raw);
+        if (v > best || best_id == NO_TOKEN) {
+            best = v;
+            best_id = t;
+        }
+    });
+    block_argmax(best, best_id, NO_TOKEN);
+}
+
+// The tokens of chunk `chunk` of `row`, its vectors loaded into `raw` where the rows are
+// whole, aligned vectors.
+__device__ __forceinline__ ChunkTokens chunk_tokens(const scalar_t* __restrict__ logits,
+                                                   int vocab, int row, int chunk,
+                                                   uint4 (&raw)[FAST_PER]) {
+    const scalar_t* x = logits + (long long)row * vocab;
+    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
+    const bool vec = vocab % FAST_VEC == 0 && (((unsigned long long)logits) & 15ull) == 0 &&
+                     blockDim.x == FAST_THREADS;
+    if (vec) load_vectors(x, lo, hi, raw);
+    return ChunkTokens{raw, x, lo, hi, vec};
 }
 
 // True in every thread of the block that finishes its row last. Thread 0's earlier global
@@ -101,22 +179,6 @@ __device__ bool last_block_of_row(unsigned int* counter, int chunks) {
 __device__ __forceinline__ float fast_scaled(float v, float inv_t) {
     v = sanitize(__fmul_rn(v, inv_t));
     return v == 0.f ? 0.f : v;
-}
-
-// The argmax of one chunk: each thread's first maximum in id order, then the block's
-// (every thread gets it).
-__device__ __forceinline__ void chunk_argmax(const scalar_t* x, int lo, int hi, float& best,
-                                             int& best_id) {
-    best = NEG_INF;
-    best_id = NO_TOKEN;
-    for_chunk(x, lo, hi, [&](int t, float raw) {
-        const float v = sanitize(raw);
-        if (v > best || best_id == NO_TOKEN) {
-            best = v;
-            best_id = t;
-        }
-    });
-    block_argmax(best, best_id, NO_TOKEN);
 }
 
 // Thread 0 of a row's last block: the row's argmax from its chunks' partials; writes the
@@ -148,28 +210,251 @@ __device__ float finish_row_max(int row, int chunks, const float* part_val, cons
     return max_y;
 }
 
-extern "C" __global__ void __launch_bounds__(FAST_THREADS)
-    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
-                    const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
-                    unsigned int* counters, float* row_max, int* row_fallback,
-                    int* __restrict__ out_tokens) {
-    pdl_enter();
-    const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
-    if (params[row].path != PATH_FAST) return;
-    const scalar_t* x = logits + (long long)row * vocab;
-    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
+// The kept weight of one scaled logit (0: dropped), and whether it counts as kept.
+__device__ __forceinline__ bool fast_weight(float raw, float inv_t, float max_y, double min_p,
+                                            const double* tab, double& w) {
+    const float y = fast_scaled(sanitize(raw), inv_t);
+    if (y == NEG_INF) return false;
+    w = exp_neg((double)y - (double)max_y, tab);
+    return !(min_p > 0.0 && w < min_p);
+}
+
+// ---- sample_fast_max: one block per (row, chunk). ----
+
+__device__ __forceinline__ bool is_top_row(const SampleRow& p);
+
+// A row `sample_fast_max_draw` draws in its one pass: temperature without min-p, top-k or
+// top-p (`SampleRowEx::one_pass` on the host).
+__device__ __forceinline__ bool one_pass_row(const SampleRow& p) {
+    return !(p.temperature < 1e-5f) && !(p.min_p > 0.f) && !is_top_row(p);
+}
+
+// The largest `v` (>= -1) of the block (every thread gets it).
+__device__ __forceinline__ int block_max_int(int v) {
+    __shared__ int m;
+    if (threadIdx.x == 0) m = -1;
+    __syncthreads();
+    atomicMax(&m, v);
+    __syncthreads();
+    const int r = m;
+    __syncthreads();
+    return r;
+}
+
+// The row's draw from its chunks' masses of kept tokens, `part_mass` (RELATIVE: each
+// relative to its chunk's own maximum, fast_scaled(part_val), so scaled by
+// exp(m_c - max_y) here): the total, the chunk holding the target u·total, and that chunk
+// walked in id order with the CPU's weights; when rounding leaves the target past every
+// weight, the last kept token, as the CPU. Writes out_tokens[row]. The whole block.
+template <bool RELATIVE>
+__device__ void draw_row(int row, int chunks, int vocab, const scalar_t* __restrict__ x,
+                         const SampleRow& p, float max_y, int fallback, const float* part_val,
+                         const double* part_mass, const int* part_last, const double* tab,
+                         int* __restrict__ out_tokens) {
+    const float inv_t = 1.f / p.temperature;
+    const double min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
+    const long long base = (long long)row * chunks;
+    __shared__ int found_s, token_s;
+    __shared__ double before_s, target_s;
+    if (threadIdx.x == 0) {
+        const volatile double* pm = part_mass + base;
+        const volatile float* pv = RELATIVE ? part_val + base : nullptr;
+        const volatile int* pl = part_last + base;
+        const auto mass_of = [&](int c) {
+            const double m = pm[c];
+            if (!RELATIVE || !(m > 0.0)) return m;
+            return m * exp_neg((double)fast_scaled(pv[c], inv_t) - (double)max_y, tab);
+        };
+        double total = 0.0;
+        int last_any = -1;
+        for (int c = 0; c < chunks; ++c) {
+            const double m = mass_of(c);
+            total += m;
+            if (m > 0.0) last_any = max(last_any, pl[c]);
+        }
+        const bool ok = total > 0.0 && total < 1.0e308;
+        const double target = p.uniform * total;
+        int found = -1;
+        double before = 0.0;
+        for (int c = 0; ok && c < chunks; ++c) {
+            const double m = mass_of(c);
+            if (m > 0.0 && before <= target && target < before + m) {
+                found = c;
+                break;
+            }
+            before += m;
+        }
+        found_s = found;
+        before_s = before;
+        target_s = target;
+        token_s = !ok ? fallback : (last_any >= 0 ? last_any : fallback);
+        if (found >= 0) token_s = pl[found];  // rounding inside the chunk
+    }
+    __syncthreads();
+    const int found = found_s;
+    if (found >= 0) {
+        // Walk the chunk in id order: segments of FAST_THREADS × FAST_VEC tokens, each
+        // thread a contiguous FAST_VEC of them, a block scan per segment.
+        const double target = target_s;
+        double running = before_s;
+        const int c_lo = found * FAST_CHUNK, c_hi = min(vocab, c_lo + FAST_CHUNK);
+        __shared__ int answer;
+        if (threadIdx.x == 0) answer = -1;
+        __syncthreads();
+        for (int seg = c_lo; seg < c_hi; seg += FAST_THREADS * FAST_VEC) {
+            const int t_lo = min(c_hi, seg + (int)threadIdx.x * FAST_VEC);
+            const int t_hi = min(c_hi, t_lo + FAST_VEC);
+            double m = 0.0;
+            int my_last = -1;
+            for (int t = t_lo; t < t_hi; ++t) {
+                double w;
+                if (!fast_weight(to_f32(x[t]), inv_t, max_y, min_p, tab, w)) continue;
+                m += w;
+                if (w > 0.0) my_last = t;
+            }
+            double seg_total;
+            const double excl = block_exclusive_scan(m, &seg_total);
+            const double acc0 = running + excl;
+            if (m > 0.0 && acc0 <= target && target < acc0 + m) {
+                double acc = acc0;
+                int got = -1;
+                for (int t = t_lo; t < t_hi && got < 0; ++t) {
+                    double w;
+                    if (!fast_weight(to_f32(x[t]), inv_t, max_y, min_p, tab, w)) continue;
+                    acc += w;
+                    if (acc > target) got = t;
+                }
+                answer = got >= 0 ? got : my_last;
+            }
+            __syncthreads();
+            if (answer >= 0) break;
+            running += seg_total;
+        }
+        if (threadIdx.x == 0 && answer >= 0) token_s = answer;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) out_tokens[row] = token_s;
+    __syncthreads();
+}
+
+// The chunk's mass of a plain temperature row relative to its own maximum m (the scaled
+// argmax `best`: scaling is monotonic), Σ exp(y - m) in f64, and its last kept token:
+// nothing here waits for the rest of the row. Every thread gets both.
+//
+// Where |m| < 1e6, the tokens take no branch or select, so that the compiler interleaves
+// a vector's eight exp chains and the SM's f64 pipe, not its integer one, sets the pace:
+// a NaN or -inf logit (whose y the CPU drops) and a y more than 700 under m are clamped
+// to m - 700, a weight under 1e-304 that no f64 sum of this chunk (>= 1, its maximum's)
+// can see; `last` is then the chunk's last token, which the CPU takes only when rounding
+// leaves the draw's target past every weight, and would take among the tokens it keeps.
+// Otherwise (a huge, infinite or overflowing maximum) every token as the CPU.
+__device__ __forceinline__ void chunk_relative_mass(const ChunkTokens& visit, const SampleRow& p,
+                                                    float best, const double* tab, double& mass,
+                                                    int& last) {
+    const float inv_t = 1.f / p.temperature;
+    const float m = fast_scaled(best, inv_t);
+    const double md = (double)m;
+    double mass0 = 0.0, mass1 = 0.0;
+    last = -1;
+    if (isfinite(best) && fabsf(best * inv_t) < 1e6f) {
+        // |m| < 1e6: m - 700 is within 0.07 of its exact value, so no difference falls
+        // under -708, and fmaxf passes over a NaN.
+        const float floor_y = m - 700.f;
+        visit([&](int t, float raw) {
+            const double w = exp_core((double)fmaxf(raw * inv_t, floor_y) - md, tab);
+            if (t & 1) mass1 += w;
+            else mass0 += w;
+        });
+        last = visit.hi - 1;
+    } else if (m != NEG_INF) {
+        visit([&](int t, float raw) {
+            double w;
+            if (!fast_weight(raw, inv_t, m, 0.0, tab, w)) return;
+            mass0 += w;
+            if (w > 0.0) last = t;
+        });
+    }
+    mass = block_total(mass0 + mass1);
+    last = block_max_int(last);
+}
+
+// The block of `sample_fast_max(_draw)` for one (row, chunk) of `visit`'s tokens.
+__device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, int vocab,
+                                               const ChunkTokens& visit, bool one_pass,
+                                               const SampleRowEx* __restrict__ params,
+                                               float* part_val, int* part_id, double* part_mass,
+                                               int* part_last, unsigned int* counters,
+                                               float* row_max, int* row_fallback,
+                                               const double* tab, int* __restrict__ out_tokens) {
+    const SampleRow p = params[row].base;
     float best;
     int best_id;
-    chunk_argmax(x, lo, hi, best, best_id);
+    block_chunk_argmax(visit, best, best_id);
     const long long slot = (long long)row * chunks + chunk;
+    if (one_pass) {
+        double mass;
+        int last;
+        chunk_relative_mass(visit, p, best, tab, mass, last);
+        if (threadIdx.x == 0) {
+            part_mass[slot] = mass;
+            part_last[slot] = last;
+        }
+    }
     if (threadIdx.x == 0) {
         part_val[slot] = best;
         part_id[slot] = best_id;
     }
     if (!last_block_of_row(&counters[row], chunks)) return;
-    if (threadIdx.x != 0) return;
-    finish_row_max(row, chunks, part_val, part_id, params[row].base, row_max, row_fallback,
-                   out_tokens);
+    __shared__ float max_y_s;
+    if (threadIdx.x == 0)
+        max_y_s = finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback,
+                                 out_tokens);
+    __syncthreads();
+    const float max_y = max_y_s;
+    __syncthreads();
+    if (!one_pass || max_y == NEG_INF) return;
+    draw_row<true>(row, chunks, vocab, visit.x, p, max_y, row_fallback[row], part_val,
+                   part_mass, part_last, tab, out_tokens);
+    if (threadIdx.x == 0) row_max[row] = NEG_INF;  // drawn: nothing for sample_fast_draw
+}
+
+// Grid: (row, chunk). DRAW: one-pass rows are drawn (else only maxima are taken).
+template <bool DRAW>
+__device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, int vocab,
+                                         const SampleRowEx* __restrict__ params, float* part_val,
+                                         int* part_id, double* part_mass, int* part_last,
+                                         unsigned int* counters, float* row_max,
+                                         int* row_fallback, int* __restrict__ out_tokens) {
+    pdl_enter();
+    const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+    if (params[row].path != PATH_FAST) return;
+    // The chunk stays in registers for both passes of a one-pass row.
+    uint4 regs[FAST_PER];
+    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
+    __shared__ double tab[64];
+    const bool one_pass = DRAW && one_pass_row(params[row].base);
+    if (one_pass) fill_exp_table(tab);
+    fast_max_block(row, chunk, chunks, vocab, visit, one_pass, params, part_val, part_id,
+                   part_mass, part_last, counters, row_max, row_fallback, tab, out_tokens);
+}
+
+// Batches without a one-pass row: no exp code, so more blocks an SM (more loads in flight).
+extern "C" __global__ void __launch_bounds__(FAST_THREADS)
+    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
+                    const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
+                    double* part_mass, int* part_last, unsigned int* counters, float* row_max,
+                    int* row_fallback, int* __restrict__ out_tokens) {
+    fast_max<false>(logits, vocab, params, part_val, part_id, part_mass, part_last, counters,
+                    row_max, row_fallback, out_tokens);
+}
+
+extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
+    sample_fast_max_draw(const scalar_t* __restrict__ logits, int vocab,
+                         const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
+                         double* part_mass, int* part_last, unsigned int* counters,
+                         float* row_max, int* row_fallback, int* __restrict__ out_tokens) {
+    fast_max<true>(logits, vocab, params, part_val, part_id, part_mass, part_last, counters,
+                   row_max, row_fallback, out_tokens);
 }
 
 // ---- Top-k / top-p rows (`is_top_row`): candidates, then an exact merge per row. ----
@@ -260,13 +545,11 @@ __device__ __forceinline__ bool load_chunk(const scalar_t* __restrict__ x, int l
 // One warp's candidates into `slot`: every finite token >= the J-th largest lane maximum
 // for the largest J in 16, 8, 4, 2, 1 whose tokens fit TOP_WCAP; none, with a bound above
 // the warp's maximum, when even its maximum is tied more often than that.
-__device__ __forceinline__ void warp_candidates(const float (&v)[FAST_ELEMS], bool full, int lo, long long slot,
-                                unsigned long long* cand, int* cand_n,
-                                unsigned int* cand_bound) {
+__device__ __forceinline__ void warp_candidates(const float (&v)[FAST_ELEMS], float lane_max,
+                                                bool full, int lo, long long slot,
+                                                unsigned long long* cand, int* cand_n,
+                                                unsigned int* cand_bound) {
     const int lane = threadIdx.x & 31;
-    float lane_max = NEG_INF;
-#pragma unroll
-    for (int e = 0; e < FAST_ELEMS; ++e) lane_max = fmaxf(lane_max, v[e]);
     // kth[i]: the key of the 2^i-th largest lane maximum (0 marks a removed lane; every
     // real key is larger, the maxima are never NaN).
     unsigned int key = order_key(lane_max), kth[5];
@@ -277,13 +560,16 @@ __device__ __forceinline__ void warp_candidates(const float (&v)[FAST_ELEMS], bo
         const unsigned int holders = __ballot_sync(0xffffffffu, key == m);
         if (lane == __ffs(holders) - 1) key = 0;
     }
-    float t = NEG_INF;
-    int count = 0, level = 4;
+    // Candidates: the finite tokens >= t. v is never NaN, so with t_cmp (t, or -FLT_MAX
+    // for a -inf t) one comparison decides.
+    float t = NEG_INF, t_cmp = -FLT_MAX_F;
+    int count = 0, n = 0, level = 4;
     for (; level >= 0; --level) {
         t = key_value(kth[level]);
-        int n = 0;
+        t_cmp = t == NEG_INF ? -FLT_MAX_F : t;
+        n = 0;
 #pragma unroll
-        for (int e = 0; e < FAST_ELEMS; ++e) n += (v[e] >= t && v[e] > NEG_INF) ? 1 : 0;
+        for (int e = 0; e < FAST_ELEMS; ++e) n += v[e] >= t_cmp ? 1 : 0;
         count = __reduce_add_sync(0xffffffffu, n);
         if (count <= TOP_WCAP) break;
     }
@@ -294,14 +580,11 @@ __device__ __forceinline__ void warp_candidates(const float (&v)[FAST_ELEMS], bo
         }
         return;
     }
-    int n = 0;
-#pragma unroll
-    for (int e = 0; e < FAST_ELEMS; ++e) n += (v[e] >= t && v[e] > NEG_INF) ? 1 : 0;
     int pos = warp_inclusive_scan(n) - n;
     unsigned long long* out = cand + slot * TOP_WCAP;
 #pragma unroll
     for (int e = 0; e < FAST_ELEMS; ++e) {
-        if (v[e] >= t && v[e] > NEG_INF)
+        if (v[e] >= t_cmp)
             out[pos++] = ((unsigned long long)elem_id(full, lo, e) << 32) | __float_as_uint(v[e]);
     }
     if (lane == 0) {
@@ -340,9 +623,9 @@ __device__ __forceinline__ unsigned long long value_key(float y, int id) {
 __device__ __forceinline__ float value_key_y(unsigned long long k) {
     return key_value(~(unsigned int)(k >> 32));
 }
-// The CPU's weight: exp of the f32 difference, in f64.
+// The CPU's weight: exp of the difference, in f64 (exact there).
 __device__ __forceinline__ double top_weight(float y, float max_y) {
-    return exp((double)__fsub_rn(y, max_y));
+    return exp((double)y - (double)max_y);
 }
 
 __device__ __forceinline__ int next_pow2(int n) {
@@ -635,22 +918,26 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
     if (top) {
         float v[FAST_ELEMS];
         const bool full = load_chunk(x, lo, hi, v);
+        // The thread's first maximum by its register index (ids rise with it; tokens past
+        // hi are -inf), or its first token where all are -inf.
         best = NEG_INF;
-        best_id = NO_TOKEN;
+        int best_e = 0;
 #pragma unroll
         for (int e = 0; e < FAST_ELEMS; ++e) {
-            const int t = elem_id(full, lo, e);
-            if (t < hi && (v[e] > best || best_id == NO_TOKEN)) {
+            if (v[e] > best) {
                 best = v[e];
-                best_id = t;
+                best_e = e;
             }
         }
+        best_id = elem_id(full, lo, best_e);
+        if (best_id >= hi) best_id = NO_TOKEN;
         const long long slot =
             ((long long)row * chunks + chunk) * FAST_WARPS + (threadIdx.x >> 5);
-        warp_candidates(v, full, lo, slot, cand, cand_n, cand_bound);
+        warp_candidates(v, best, full, lo, slot, cand, cand_n, cand_bound);
         block_argmax(best, best_id, NO_TOKEN);
     } else {
-        chunk_argmax(x, lo, hi, best, best_id);
+        uint4 regs[FAST_PER];
+        block_chunk_argmax(chunk_tokens(logits, vocab, row, chunk, regs), best, best_id);
     }
     const long long slot = (long long)row * chunks + chunk;
     if (threadIdx.x == 0) {
@@ -667,15 +954,6 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
     const int outcome = top_merge(row, chunks, vocab, p, max_y_s, row_fallback[row], -1.0, cand, cand_n,
                                   cand_bound);
     top_finish(row, outcome, params, row_max, out_tokens);
-}
-
-// The kept weight of one scaled logit (0: dropped), and whether it counts as kept.
-__device__ __forceinline__ bool fast_weight(float raw, float inv_t, float max_y, double min_p,
-                                            const double* tab, double& w) {
-    const float y = fast_scaled(sanitize(raw), inv_t);
-    if (y == NEG_INF) return false;
-    w = exp_neg(__fsub_rn(y, max_y), tab);
-    return !(min_p > 0.0 && w < min_p);
 }
 
 // The draw pass; TOP: top rows waiting for their total (TOP_TOTAL) are merged again.
@@ -695,22 +973,19 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
     fill_exp_table(tab);
     const float inv_t = 1.f / p.temperature;
     const double min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
-    const scalar_t* x = logits + (long long)row * vocab;
-    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
+    uint4 regs[FAST_PER];
+    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
+    const scalar_t* x = visit.x;
     double mass = 0.0;
     int last = -1;
-    for_chunk(x, lo, hi, [&](int t, float raw) {
+    visit([&](int t, float raw) {
         double w;
         if (!fast_weight(raw, inv_t, max_y, min_p, tab, w)) return;
         mass += w;
         if (w > 0.0) last = t;
     });
     const double chunk_mass = block_total(mass);
-    __shared__ int chunk_last;
-    if (threadIdx.x == 0) chunk_last = -1;
-    __syncthreads();
-    if (last >= 0) atomicMax(&chunk_last, last);
-    __syncthreads();
+    const int chunk_last = block_max_int(last);
     const long long base = (long long)row * chunks;
     if (threadIdx.x == 0) {
         part_mass[base + chunk] = chunk_mass;
@@ -735,82 +1010,8 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
         }
     }
 
-    // The row: total, the chunk holding the target, and the last kept token (the answer
-    // when rounding leaves the target past every token).
-    __shared__ int found_s, token_s;
-    __shared__ double before_s, target_s;
-    if (threadIdx.x == 0) {
-        const volatile double* pm = part_mass + base;
-        const volatile int* pl = part_last + base;
-        double total = 0.0;
-        int last_any = -1;
-        for (int c = 0; c < chunks; ++c) {
-            total += pm[c];
-            last_any = max(last_any, pl[c]);
-        }
-        const int fallback = row_fallback[row];
-        const bool ok = total > 0.0 && total < 1.0e308;
-        const double target = p.uniform * total;
-        int found = -1;
-        double before = 0.0;
-        for (int c = 0; ok && c < chunks; ++c) {
-            const double m = pm[c];
-            if (m > 0.0 && before <= target && target < before + m) {
-                found = c;
-                break;
-            }
-            before += m;
-        }
-        found_s = found;
-        before_s = before;
-        target_s = target;
-        token_s = !ok ? fallback : (last_any >= 0 ? last_any : fallback);
-        if (found >= 0) token_s = part_last[base + found];  // rounding inside the chunk
-    }
-    __syncthreads();
-    const int found = found_s;
-    if (found >= 0) {
-        // Walk the chunk in id order: segments of FAST_THREADS × FAST_VEC tokens, each
-        // thread a contiguous FAST_VEC of them, a block scan per segment.
-        const double target = target_s;
-        double running = before_s;
-        const int c_lo = found * FAST_CHUNK, c_hi = min(vocab, c_lo + FAST_CHUNK);
-        __shared__ int answer;
-        if (threadIdx.x == 0) answer = -1;
-        __syncthreads();
-        for (int seg = c_lo; seg < c_hi; seg += FAST_THREADS * FAST_VEC) {
-            const int t_lo = min(c_hi, seg + (int)threadIdx.x * FAST_VEC);
-            const int t_hi = min(c_hi, t_lo + FAST_VEC);
-            double m = 0.0;
-            int my_last = -1;
-            for (int t = t_lo; t < t_hi; ++t) {
-                double w;
-                if (!fast_weight(to_f32(x[t]), inv_t, max_y, min_p, tab, w)) continue;
-                m += w;
-                if (w > 0.0) my_last = t;
-            }
-            double seg_total;
-            const double excl = block_exclusive_scan(m, &seg_total);
-            const double acc0 = running + excl;
-            if (m > 0.0 && acc0 <= target && target < acc0 + m) {
-                double acc = acc0;
-                int got = -1;
-                for (int t = t_lo; t < t_hi && got < 0; ++t) {
-                    double w;
-                    if (!fast_weight(to_f32(x[t]), inv_t, max_y, min_p, tab, w)) continue;
-                    acc += w;
-                    if (acc > target) got = t;
-                }
-                answer = got >= 0 ? got : my_last;
-            }
-            __syncthreads();
-            if (answer >= 0) break;
-            running += seg_total;
-        }
-        if (threadIdx.x == 0 && answer >= 0) token_s = answer;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) out_tokens[row] = token_s;
+    draw_row<false>(row, chunks, vocab, x, p, max_y, row_fallback[row], nullptr, part_mass,
+                    part_last, tab, out_tokens);
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_THREADS)

@@ -554,40 +554,47 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
             }
             let t = b.upload(&HostTensor::new(vec![n, vocab], logits)).unwrap();
             let host = b.to_host(&t).unwrap().data;
-            let params: Vec<SamplingParams> = (0..n)
-                .map(|r| {
-                    let (temperature, min_p, top_p) = match r % 6 {
-                        0 => (0.0, 0.0, 1.0),
-                        1 => (0.6, 0.0, 1.0),
-                        2 => (1.0, 0.05, 1.0),
-                        3 => (1.7, 0.0, 1.0),
-                        4 => (0.3, 0.2, 1.0),
-                        _ => (0.8, 0.0, 0.9), // top-p: mostly handed back
-                    };
-                    SamplingParams {
-                        temperature,
-                        min_p,
-                        top_p,
-                        seed: Some(9000 + r as u64),
-                        ..Default::default()
+            // With top-p rows the batch takes the top kernels (plain temperature rows drawn
+            // in their second launch); without, `sample_fast_max` draws the plain
+            // temperature rows in its one pass and `sample_fast_draw` the min-p rows.
+            for top_batch in [true, false] {
+                let params: Vec<SamplingParams> = (0..n)
+                    .map(|r| {
+                        let (temperature, min_p, top_p) = match r % 6 {
+                            0 => (0.0, 0.0, 1.0),
+                            1 => (0.6, 0.0, 1.0),
+                            2 => (1.0, 0.05, 1.0),
+                            3 => (1.7, 0.0, 1.0),
+                            4 => (0.3, 0.2, 1.0),
+                            _ if top_batch => (0.8, 0.0, 0.9), // top-p: mostly handed back
+                            _ => (1.1, 0.0, 1.0),
+                        };
+                        SamplingParams {
+                            temperature,
+                            min_p,
+                            top_p,
+                            seed: Some(9000 + r as u64),
+                            ..Default::default()
+                        }
+                    })
+                    .collect();
+                let reqs = without_history(&params);
+                let gpu = sampling::sample_with(&b, &t, &reqs, 0, true).unwrap();
+                let cpu = Sampler::new(0).sample(&mut host.clone(), vocab, &reqs);
+                for (r, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+                    if g.0 == c.0 {
+                        agree += 1;
+                    } else {
+                        println!(
+                            "SAMPLER-FAST {} vocab {vocab} top batch {top_batch} row {r}: gpu {} \
+                             cpu {}",
+                            dtype.name(),
+                            g.0,
+                            c.0
+                        );
                     }
-                })
-                .collect();
-            let reqs = without_history(&params);
-            let gpu = sampling::sample_with(&b, &t, &reqs, 0, true).unwrap();
-            let cpu = Sampler::new(0).sample(&mut host.clone(), vocab, &reqs);
-            for (r, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
-                if g.0 == c.0 {
-                    agree += 1;
-                } else {
-                    println!(
-                        "SAMPLER-FAST {} vocab {vocab} row {r}: gpu {} cpu {}",
-                        dtype.name(),
-                        g.0,
-                        c.0
-                    );
+                    total += 1;
                 }
-                total += 1;
             }
         }
     }

@@ -221,7 +221,10 @@ __device__ __forceinline__ bool fast_weight(float raw, float inv_t, float max_y,
 
 // ---- sample_fast_max: one block per (row, chunk). ----
 
-__device__ __forceinline__ bool is_top_row(const SampleRow& p);
+// A row the merge samples: a draw with top-k or top-p on (as the kernels test them).
+__device__ __forceinline__ bool is_top_row(const SampleRow& p) {
+    return !(p.temperature < 1e-5f) && (p.top_k > 0 || p.top_p < 1.f);
+}
 
 // A row `sample_fast_max_draw` draws in its one pass: temperature without min-p, top-k or
 // top-p (`SampleRowEx::one_pass` on the host).
@@ -496,11 +499,6 @@ __device__ __forceinline__ void fast_block(int& row, int& chunk, int& chunks) {
     row = TOP ? blockIdx.y : blockIdx.x;
     chunk = TOP ? blockIdx.x : blockIdx.y;
     chunks = TOP ? gridDim.x : gridDim.y;
-}
-
-// A row the merge samples: a draw with top-k or top-p on (as the kernels test them).
-__device__ __forceinline__ bool is_top_row(const SampleRow& p) {
-    return !(p.temperature < 1e-5f) && (p.top_k > 0 || p.top_p < 1.f);
 }
 
 // The float of an `order_key`.

@@ -192,6 +192,7 @@ __device__ __forceinline__ uint4 pack16(const float* f) {
 __device__ __forceinline__ bool aligned16(const void* a, const void* b, const void* c) {
     return ((((unsigned long long)a) | ((unsigned long long)b) | ((unsigned long long)c)) & 15ull) == 0;
 }
+__device__ __forceinline__ bool aligned16(const void* a) { return aligned16(a, a, a); }
 
 // The `extern "C"` entry points of a kernel templated on the head size: NAME_d16, _d32,
 // _d64 and _d128 (the sizes `attention_plan.rs` lists in HEAD_DIMS).

@@ -42,8 +42,8 @@ __device__ __forceinline__ double exp_core(double x, const double* tab) {
     // ln2/64 split so that kd * hi is exact (fdlibm's ln2_hi has 20 trailing zero bits).
     const double r0 = fma(kd, -6.93147180369123816490e-01 / 64.0, x);
     const double r = fma(kd, -1.90821492927058770002e-10 / 64.0, r0);  // |r| <= ln2/128
-    double p = 1.0 / 720.0;
-    p = fma(p, r, 1.0 / 120.0);
+    // Degree 5: r^6/720 < 3.5e-17, a sixth of an ulp of the result.
+    double p = 1.0 / 120.0;
     p = fma(p, r, 1.0 / 24.0);
     p = fma(p, r, 1.0 / 6.0);
     p = fma(p, r, 0.5);
@@ -155,8 +155,7 @@ __device__ __forceinline__ ChunkTokens chunk_tokens(const scalar_t* __restrict__
                                                    uint4 (&raw)[FAST_PER]) {
     const scalar_t* x = logits + (long long)row * vocab;
     const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
-    const bool vec = vocab % FAST_VEC == 0 && (((unsigned long long)logits) & 15ull) == 0 &&
-                     blockDim.x == FAST_THREADS;
+    const bool vec = vocab % FAST_VEC == 0 && aligned16(logits) && blockDim.x == FAST_THREADS;
     if (vec) load_vectors(x, lo, hi, raw);
     return ChunkTokens{raw, x, lo, hi, vec};
 }
@@ -181,32 +180,33 @@ __device__ __forceinline__ float fast_scaled(float v, float inv_t) {
     return v == 0.f ? 0.f : v;
 }
 
-// Thread 0 of a row's last block: the row's argmax from its chunks' partials; writes the
-// greedy token, or the draw's fallback and max_y (NEG_INF: the token is written, nothing
-// left to draw). Returns max_y.
+// Warp 0 of a row's last block: the row's argmax from its chunks' partials, a lane a
+// chunk so that their loads are in flight together (ids rise with the chunk, so the warp
+// argmax's ties to the lowest id keep the row's first maximum). Lane 0 writes the greedy
+// token, or the draw's fallback and max_y (NEG_INF: the token is written, nothing left to
+// draw). Every lane gets max_y.
 __device__ float finish_row_max(int row, int chunks, const float* part_val, const int* part_id,
                                 const SampleRow& p, float* row_max, int* row_fallback,
                                 int* out_tokens) {
-    // Chunks in id order, each its first maximum: the strict > keeps the row's first.
-    const volatile float* pv = part_val + (long long)row * chunks;
-    const volatile int* pi = part_id + (long long)row * chunks;
-    float m = pv[0];
-    int id = pi[0];
-    for (int c = 1; c < chunks; ++c) {
-        if (pv[c] > m) {
-            m = pv[c];
-            id = pi[c];
+    const long long base = (long long)row * chunks;
+    float m = NEG_INF;
+    int id = NO_TOKEN;
+    for (int c = (int)threadIdx.x; c < chunks; c += 32) {
+        const float v = __ldcg(part_val + base + c);
+        const int i = __ldcg(part_id + base + c);
+        if (v > m || id == NO_TOKEN) {
+            m = v;
+            id = i;
         }
     }
-    row_fallback[row] = id;
-    if (p.temperature < 1e-5f) {
-        out_tokens[row] = id;
-        row_max[row] = NEG_INF;
-        return NEG_INF;
+    warp_argmax(m, id);
+    const float max_y = p.temperature < 1e-5f ? NEG_INF : fast_scaled(m, 1.f / p.temperature);
+    if (threadIdx.x == 0) {
+        row_fallback[row] = id;
+        row_max[row] = max_y;
+        // Greedy, or nothing finite: the argmax, as the CPU.
+        if (max_y == NEG_INF) out_tokens[row] = id;
     }
-    const float max_y = fast_scaled(m, 1.f / p.temperature);
-    row_max[row] = max_y;
-    if (max_y == NEG_INF) out_tokens[row] = id;  // nothing finite: the argmax, as the CPU
     return max_y;
 }
 
@@ -220,6 +220,14 @@ __device__ __forceinline__ bool fast_weight(float raw, float inv_t, float max_y,
 }
 
 // ---- sample_fast_max: one block per (row, chunk). ----
+
+// Every fast launch lays its grid out as (chunk, row): a row's chunks are consecutive
+// blocks, so rows finish, and draw or merge, while later rows still stream.
+__device__ __forceinline__ void fast_block(int& row, int& chunk, int& chunks) {
+    row = blockIdx.y;
+    chunk = blockIdx.x;
+    chunks = gridDim.x;
+}
 
 // A row the merge samples: a draw with top-k or top-p on (as the kernels test them).
 __device__ __forceinline__ bool is_top_row(const SampleRow& p) {
@@ -259,39 +267,56 @@ __device__ void draw_row(int row, int chunks, int vocab, const scalar_t* __restr
     const long long base = (long long)row * chunks;
     __shared__ int found_s, token_s;
     __shared__ double before_s, target_s;
-    if (threadIdx.x == 0) {
-        const volatile double* pm = part_mass + base;
-        const volatile float* pv = RELATIVE ? part_val + base : nullptr;
-        const volatile int* pl = part_last + base;
+    if (threadIdx.x < 32) {
+        // A lane a chunk, 32 at a time: chunk c holds [start, end) of the row's cumulative
+        // mass, start the scan of the chunks before it; the segments' ends tile exactly.
+        const int lane = threadIdx.x;
         const auto mass_of = [&](int c) {
-            const double m = pm[c];
+            if (c >= chunks) return 0.0;
+            const double m = __ldcg(part_mass + base + c);
             if (!RELATIVE || !(m > 0.0)) return m;
-            return m * exp_neg((double)fast_scaled(pv[c], inv_t) - (double)max_y, tab);
+            return m * exp_neg((double)fast_scaled(__ldcg(part_val + base + c), inv_t) -
+                                   (double)max_y,
+                               tab);
         };
-        double total = 0.0;
+        const auto scan = [&](double m, double running, double& start, double& end) {
+            const double incl = warp_inclusive_scan(m);
+            const double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+            start = running + (lane == 0 ? 0.0 : excl);
+            end = running + incl;
+            return __shfl_sync(0xffffffffu, end, 31);
+        };
+        // The total first, summed as the search below sums it.
+        double total = 0.0, start, end;
         int last_any = -1;
-        for (int c = 0; c < chunks; ++c) {
-            const double m = mass_of(c);
-            total += m;
-            if (m > 0.0) last_any = max(last_any, pl[c]);
+        for (int c0 = 0; c0 < chunks; c0 += 32) {
+            const double m = mass_of(c0 + lane);
+            total = scan(m, total, start, end);
+            if (m > 0.0) last_any = max(last_any, __ldcg(part_last + base + c0 + lane));
         }
+        last_any = __reduce_max_sync(0xffffffffu, last_any);
         const bool ok = total > 0.0 && total < 1.0e308;
         const double target = p.uniform * total;
         int found = -1;
-        double before = 0.0;
-        for (int c = 0; ok && c < chunks; ++c) {
-            const double m = mass_of(c);
-            if (m > 0.0 && before <= target && target < before + m) {
-                found = c;
-                break;
+        double before = 0.0, running = 0.0;
+        for (int c0 = 0; ok && found < 0 && c0 < chunks; c0 += 32) {
+            const double m = mass_of(c0 + lane);
+            running = scan(m, running, start, end);
+            const unsigned int hits =
+                __ballot_sync(0xffffffffu, m > 0.0 && start <= target && target < end);
+            if (hits != 0) {
+                const int first = __ffs(hits) - 1;
+                found = c0 + first;
+                before = __shfl_sync(0xffffffffu, start, first);
             }
-            before += m;
         }
-        found_s = found;
-        before_s = before;
-        target_s = target;
-        token_s = !ok ? fallback : (last_any >= 0 ? last_any : fallback);
-        if (found >= 0) token_s = pl[found];  // rounding inside the chunk
+        if (lane == 0) {
+            found_s = found;
+            before_s = before;
+            target_s = target;
+            token_s = !ok ? fallback : (last_any >= 0 ? last_any : fallback);
+            if (found >= 0) token_s = __ldcg(part_last + base + found);  // rounding inside the chunk
+        }
     }
     __syncthreads();
     const int found = found_s;
@@ -359,7 +384,7 @@ __device__ __forceinline__ void chunk_relative_mass(const ChunkTokens& visit, co
     const double md = (double)m;
     double mass0 = 0.0, mass1 = 0.0;
     last = -1;
-    if (isfinite(best) && fabsf(best * inv_t) < 1e6f) {
+    if (fabsf(m) < 1e6f) {  // an infinite or overflowing maximum is FLT_MAX or -inf here
         // |m| < 1e6: m - 700 is within 0.07 of its exact value, so no difference falls
         // under -708, and fmaxf passes over a NaN.
         const float floor_y = m - 700.f;
@@ -384,12 +409,11 @@ __device__ __forceinline__ void chunk_relative_mass(const ChunkTokens& visit, co
 // The block of `sample_fast_max(_draw)` for one (row, chunk) of `visit`'s tokens.
 __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, int vocab,
                                                const ChunkTokens& visit, bool one_pass,
-                                               const SampleRowEx* __restrict__ params,
-                                               float* part_val, int* part_id, double* part_mass,
+                                               const SampleRow& p, float* part_val,
+                                               int* part_id, double* part_mass,
                                                int* part_last, unsigned int* counters,
                                                float* row_max, int* row_fallback,
                                                const double* tab, int* __restrict__ out_tokens) {
-    const SampleRow p = params[row].base;
     float best;
     int best_id;
     block_chunk_argmax(visit, best, best_id);
@@ -409,9 +433,11 @@ __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, i
     }
     if (!last_block_of_row(&counters[row], chunks)) return;
     __shared__ float max_y_s;
-    if (threadIdx.x == 0)
-        max_y_s = finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback,
-                                 out_tokens);
+    if (threadIdx.x < 32) {
+        const float y =
+            finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback, out_tokens);
+        if (threadIdx.x == 0) max_y_s = y;
+    }
     __syncthreads();
     const float max_y = max_y_s;
     __syncthreads();
@@ -429,15 +455,17 @@ __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, in
                                          unsigned int* counters, float* row_max,
                                          int* row_fallback, int* __restrict__ out_tokens) {
     pdl_enter();
-    const int row = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+    int row, chunk, chunks;
+    fast_block(row, chunk, chunks);
     if (params[row].path != PATH_FAST) return;
+    const SampleRow p = params[row].base;
     // The chunk stays in registers for both passes of a one-pass row.
     uint4 regs[FAST_PER];
     const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
     __shared__ double tab[64];
-    const bool one_pass = DRAW && one_pass_row(params[row].base);
+    const bool one_pass = DRAW && one_pass_row(p);
     if (one_pass) fill_exp_table(tab);
-    fast_max_block(row, chunk, chunks, vocab, visit, one_pass, params, part_val, part_id,
+    fast_max_block(row, chunk, chunks, vocab, visit, one_pass, p, part_val, part_id,
                    part_mass, part_last, counters, row_max, row_fallback, tab, out_tokens);
 }
 
@@ -491,15 +519,6 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
 // Outcomes of a merge besides a token (>= 0).
 #define TOP_TOTAL -1    // needs the row's total mass
 #define TOP_GENERAL -2  // cannot be exact here: sample_tokens_ex
-
-// Top batches lay their grid out as (chunk, row): a row's chunks are consecutive blocks,
-// so rows finish, and merge, while later rows still stream.
-template <bool TOP>
-__device__ __forceinline__ void fast_block(int& row, int& chunk, int& chunks) {
-    row = TOP ? blockIdx.y : blockIdx.x;
-    chunk = TOP ? blockIdx.x : blockIdx.y;
-    chunks = TOP ? gridDim.x : gridDim.y;
-}
 
 // The float of an `order_key`.
 __device__ __forceinline__ float key_value(unsigned int k) {
@@ -905,7 +924,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
                     int* row_fallback, int* __restrict__ out_tokens) {
     pdl_enter();
     int row, chunk, chunks;
-    fast_block<true>(row, chunk, chunks);
+    fast_block(row, chunk, chunks);
     if (params[row].path != PATH_FAST) return;
     const SampleRow p = params[row].base;
     const bool top = is_top_row(p);
@@ -944,9 +963,11 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
     }
     if (!last_block_of_row(&counters[row], chunks)) return;
     __shared__ float max_y_s;
-    if (threadIdx.x == 0)
-        max_y_s = finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback,
-                                 out_tokens);
+    if (threadIdx.x < 32) {
+        const float y =
+            finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback, out_tokens);
+        if (threadIdx.x == 0) max_y_s = y;
+    }
     __syncthreads();
     if (!top || max_y_s == NEG_INF) return;
     const int outcome = top_merge(row, chunks, vocab, p, max_y_s, row_fallback[row], -1.0, cand, cand_n,
@@ -962,7 +983,7 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
                           const unsigned long long* cand, const int* cand_n,
                           const unsigned int* cand_bound, float* row_max_out) {
     int row, chunk, chunks;
-    fast_block<TOP>(row, chunk, chunks);
+    fast_block(row, chunk, chunks);
     const SampleRow p = params[row].base;
     if (params[row].path != PATH_FAST || p.temperature < 1e-5f) return;
     const float max_y = row_max[row];

@@ -72,6 +72,11 @@ __device__ __forceinline__ void fill_exp_table(double* tab) {
 // one-pass row's eight interleaved exp chains need (ptxas's own choice, 48, spilled).
 #define FAST_MAX_BLOCKS 4
 
+// The first token of this thread's k-th 16-byte vector of a chunk starting at lo.
+__device__ __forceinline__ int vector_token(int lo, int k) {
+    return lo + (k * FAST_THREADS + (int)threadIdx.x) * FAST_VEC;
+}
+
 // This thread's 16-byte vectors of [lo, hi): threads interleave in vectors, so that a
 // warp's loads are coalesced, all issued before the first use (none past hi: the row is
 // whole vectors).
@@ -79,7 +84,7 @@ __device__ __forceinline__ void load_vectors(const scalar_t* __restrict__ x, int
                                              uint4 (&raw)[FAST_PER]) {
 #pragma unroll
     for (int k = 0; k < FAST_PER; ++k) {
-        const int t0 = lo + (k * FAST_THREADS + (int)threadIdx.x) * FAST_VEC;
+        const int t0 = vector_token(lo, k);
         raw[k] = t0 < hi ? *(const uint4*)(x + t0) : make_uint4(0u, 0u, 0u, 0u);
     }
 }
@@ -90,7 +95,7 @@ template <typename F>
 __device__ __forceinline__ void for_vectors(const uint4 (&raw)[FAST_PER], int lo, int hi, F f) {
 #pragma unroll
     for (int k = 0; k < FAST_PER; ++k) {
-        const int t0 = lo + (k * FAST_THREADS + (int)threadIdx.x) * FAST_VEC;
+        const int t0 = vector_token(lo, k);
         if (t0 >= hi) break;
         const scalar_t* v = (const scalar_t*)&raw[k];
 #pragma unroll
@@ -148,15 +153,15 @@ __device__ __forceinline__ void block_chunk_argmax(const ChunkTokens& visit, flo
     block_argmax(best, best_id, NO_TOKEN);
 }
 
-// The tokens of chunk `chunk` of `row`, its vectors loaded into `raw` where the rows are
-// whole, aligned vectors.
+// The tokens of chunk `chunk` of `row`. Where the rows are whole, aligned vectors, its
+// vectors are loaded into `raw` here, or by the caller later when not `load`.
 __device__ __forceinline__ ChunkTokens chunk_tokens(const scalar_t* __restrict__ logits,
                                                    int vocab, int row, int chunk,
-                                                   uint4 (&raw)[FAST_PER]) {
+                                                   uint4 (&raw)[FAST_PER], bool load = true) {
     const scalar_t* x = logits + (long long)row * vocab;
     const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
     const bool vec = vocab % FAST_VEC == 0 && aligned16(logits) && blockDim.x == FAST_THREADS;
-    if (vec) load_vectors(x, lo, hi, raw);
+    if (vec && load) load_vectors(x, lo, hi, raw);
     return ChunkTokens{raw, x, lo, hi, vec};
 }
 
@@ -393,8 +398,11 @@ __device__ __forceinline__ void chunk_relative_mass(const ChunkTokens& visit, co
             if (t & 1) mass1 += w;
             else mass0 += w;
         });
+        mass = block_total(mass0 + mass1);
         last = visit.hi - 1;
-    } else if (m != NEG_INF) {
+        return;
+    }
+    if (m != NEG_INF) {
         visit([&](int t, float raw) {
             double w;
             if (!fast_weight(raw, inv_t, m, 0.0, tab, w)) return;
@@ -402,7 +410,7 @@ __device__ __forceinline__ void chunk_relative_mass(const ChunkTokens& visit, co
             if (w > 0.0) last = t;
         });
     }
-    mass = block_total(mass0 + mass1);
+    mass = block_total(mass0);
     last = block_max_int(last);
 }
 
@@ -447,7 +455,7 @@ __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, i
     if (threadIdx.x == 0) row_max[row] = NEG_INF;  // drawn: nothing for sample_fast_draw
 }
 
-// Grid: (row, chunk). DRAW: one-pass rows are drawn (else only maxima are taken).
+// Grid: (chunk, row). DRAW: one-pass rows are drawn (else only maxima are taken).
 template <bool DRAW>
 __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, int vocab,
                                          const SampleRowEx* __restrict__ params, float* part_val,
@@ -457,11 +465,13 @@ __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, in
     pdl_enter();
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
-    if (params[row].path != PATH_FAST) return;
-    const SampleRow p = params[row].base;
-    // The chunk stays in registers for both passes of a one-pass row.
+    // The chunk is loaded before the row's parameters are read (the top kernel shares these
+    // registers between its two kinds of rows); it stays in registers for both passes of
+    // a one-pass row.
     uint4 regs[FAST_PER];
     const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
+    if (params[row].path != PATH_FAST) return;
+    const SampleRow p = params[row].base;
     __shared__ double tab[64];
     const bool one_pass = DRAW && one_pass_row(p);
     if (one_pass) fill_exp_table(tab);
@@ -525,27 +535,21 @@ __device__ __forceinline__ float key_value(unsigned int k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// The id of register element e of this thread (`load_chunk`'s layout).
+// The id of register element e of this thread (`chunk_floats`'s layout).
 __device__ __forceinline__ int elem_id(bool full, int lo, int e) {
     return full ? lo + ((e / FAST_VEC) * FAST_THREADS + (int)threadIdx.x) * FAST_VEC + e % FAST_VEC
                 : lo + (int)threadIdx.x + e * FAST_THREADS;
 }
 
-// This thread's tokens of [lo, hi), sanitised, in registers (-inf where absent), in
-// increasing id order; `for_chunk`'s loads. Returns whether the 16-byte layout was used.
-__device__ __forceinline__ bool load_chunk(const scalar_t* __restrict__ x, int lo, int hi,
-                                           float (&v)[FAST_ELEMS]) {
-    constexpr int PER = FAST_CHUNK / FAST_VEC / FAST_THREADS;
-    const bool aligned = (((unsigned long long)(x + lo)) & 15ull) == 0;
-    const bool full = aligned && hi - lo == FAST_CHUNK && blockDim.x == FAST_THREADS;
-    if (full) {
-        uint4 raw[PER];
+// This thread's tokens of the chunk, sanitised, in registers (-inf where absent), in
+// increasing id order: from `visit`'s vectors where the chunk is whole 16-byte vectors
+// (returns true: `elem_id`'s vector layout), else loaded one a thread in turn.
+__device__ __forceinline__ bool chunk_floats(const ChunkTokens& visit, float (&v)[FAST_ELEMS]) {
+    if (visit.vec && visit.hi - visit.lo == FAST_CHUNK) {
 #pragma unroll
-        for (int k = 0; k < PER; ++k)
-            raw[k] = ((const uint4*)(x + lo))[k * FAST_THREADS + threadIdx.x];
-#pragma unroll
-        for (int k = 0; k < PER; ++k) {
-            const scalar_t* r = (const scalar_t*)&raw[k];
+        for (int k = 0; k < FAST_PER; ++k) {
+            const uint4 raw = visit.cur[k];
+            const scalar_t* r = (const scalar_t*)&raw;
 #pragma unroll
             for (int j = 0; j < FAST_VEC; ++j) v[k * FAST_VEC + j] = sanitize(to_f32(r[j]));
         }
@@ -553,8 +557,8 @@ __device__ __forceinline__ bool load_chunk(const scalar_t* __restrict__ x, int l
     }
 #pragma unroll
     for (int e = 0; e < FAST_ELEMS; ++e) {
-        const int t = lo + (int)threadIdx.x + e * FAST_THREADS;
-        v[e] = t < hi ? sanitize(to_f32(x[t])) : NEG_INF;
+        const int t = visit.lo + (int)threadIdx.x + e * FAST_THREADS;
+        v[e] = t < visit.hi ? sanitize(to_f32(visit.x[t])) : NEG_INF;
     }
     return false;
 }
@@ -925,16 +929,18 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
     pdl_enter();
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
+    // Loads first, as in fast_max: a top row converts the same vectors (chunk_floats).
+    uint4 regs[FAST_PER];
+    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
     if (params[row].path != PATH_FAST) return;
     const SampleRow p = params[row].base;
     const bool top = is_top_row(p);
-    const scalar_t* x = logits + (long long)row * vocab;
-    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
+    const int lo = visit.lo, hi = visit.hi;
     float best;
     int best_id;
     if (top) {
         float v[FAST_ELEMS];
-        const bool full = load_chunk(x, lo, hi, v);
+        const bool full = chunk_floats(visit, v);
         // The thread's first maximum by its register index (ids rise with it; tokens past
         // hi are -inf), or its first token where all are -inf.
         best = NEG_INF;
@@ -953,8 +959,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
         warp_candidates(v, best, full, lo, slot, cand, cand_n, cand_bound);
         block_argmax(best, best_id, NO_TOKEN);
     } else {
-        uint4 regs[FAST_PER];
-        block_chunk_argmax(chunk_tokens(logits, vocab, row, chunk, regs), best, best_id);
+        block_chunk_argmax(visit, best, best_id);
     }
     const long long slot = (long long)row * chunks + chunk;
     if (threadIdx.x == 0) {
@@ -984,16 +989,19 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
                           const unsigned int* cand_bound, float* row_max_out) {
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
+    // Every row of a min-p batch draws here, so its chunk is loaded before the row's
+    // parameters are read; a top batch's rows seldom draw (TOP_TOTAL), so they load after.
+    uint4 regs[FAST_PER];
+    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs, !TOP);
     const SampleRow p = params[row].base;
     if (params[row].path != PATH_FAST || p.temperature < 1e-5f) return;
     const float max_y = row_max[row];
     if (max_y == NEG_INF) return;  // sample_fast_max wrote the token
+    if (TOP && visit.vec) load_vectors(visit.x, visit.lo, visit.hi, regs);
     __shared__ double tab[64];
     fill_exp_table(tab);
     const float inv_t = 1.f / p.temperature;
     const double min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
-    uint4 regs[FAST_PER];
-    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
     const scalar_t* x = visit.x;
     double mass = 0.0;
     int last = -1;

@@ -40,6 +40,9 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export LD_LIBRARY_PATH=$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}
 export VLLM_REQUIRE_GPU=1
 export VLLM_RS_KERNEL_CACHE=${VLLM_RS_KERNEL_CACHE:-/tmp/vllm-rs-kernel-cache}
+# CUBINs compiled on the development machine (`vllm-rs compile-kernels --cache-dir .gpu/kc`)
+# save the round NVRTC's minute and a half; an entry of another source is never used.
+if [ -d "$G/kc" ]; then mkdir -p "$VLLM_RS_KERNEL_CACHE" && cp "$G"/kc/*.cubin "$VLLM_RS_KERNEL_CACHE"/ 2>/dev/null; fi
 export RUST_LOG=${RUST_LOG:-info}
 # NVLink multicast stays off on shared multi-GPU machines; the workers inherit it.
 export NCCL_NVLS_ENABLE=0

@@ -107,3 +107,38 @@ fn load_format_dummy_needs_only_config_and_tokenizer() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("invalid value 'gguf'"), "{stderr}");
 }
+
+#[test]
+fn compile_kernels_without_nvrtc_or_with_a_bad_arch_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = |args: &[&str]| {
+        let out = Command::new(exe())
+            .arg("compile-kernels")
+            .arg("--cache-dir")
+            .arg(dir.path())
+            .args(args)
+            .env("CUDA_HOME", "/nonexistent")
+            .env("LD_LIBRARY_PATH", "")
+            .output()
+            .expect("run compile-kernels");
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
+    };
+    assert!(run(&["--arch", "90"]).contains("--arch 90: expected sm_"));
+    assert!(run(&["--dtype", "auto"]).contains("--dtype auto"));
+    assert!(run(&["--dtype", "int8"]).contains("--dtype int8"));
+    // Where the loader finds NVRTC by itself (ldconfig's cache) the run compiles instead.
+    let system_nvrtc = Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("libnvrtc.so.13"));
+    if !system_nvrtc {
+        let stderr = run(&["--dtype", "float32"]);
+        assert!(
+            stderr.contains("NVRTC (libnvrtc.so.13) not found"),
+            "{stderr}"
+        );
+    }
+}

@@ -28,6 +28,9 @@ pub enum Command {
     MakeTinyModel(MakeTinyModelArgs),
     /// Offline benchmarks: `bench throughput`, `bench latency`.
     Bench(crate::bench::BenchArgs),
+    /// Compile the CUDA kernels into the kernel cache with NVRTC alone (no GPU needed), so
+    /// that a server's first start on that GPU architecture compiles nothing.
+    CompileKernels(crate::compile_kernels::CompileKernelsArgs),
     /// The engine-core process (started by `serve` and `generate`).
     #[command(hide = true)]
     EngineCore {
@@ -61,7 +64,10 @@ impl Command {
                 // It loads no model: it talks to a server.
                 BenchCommand::Serve(_) => None,
             },
-            Command::MakeTinyModel(_) | Command::EngineCore { .. } | Command::Worker { .. } => None,
+            Command::MakeTinyModel(_)
+            | Command::CompileKernels(_)
+            | Command::EngineCore { .. }
+            | Command::Worker { .. } => None,
         }
     }
 }

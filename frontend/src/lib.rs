@@ -6,6 +6,7 @@ pub mod async_llm;
 pub mod bench;
 pub mod chat_template;
 pub mod cli;
+pub mod compile_kernels;
 pub mod detokenizer;
 pub mod engine_client;
 pub mod generate;

@@ -46,6 +46,7 @@ fn run(mut command: Command) -> anyhow::Result<i32> {
         Command::Generate(args) => runtime()?.block_on(vllm_frontend::generate::generate(args)),
         Command::Bench(args) => runtime()?.block_on(vllm_frontend::bench::bench(args)),
         Command::MakeTinyModel(args) => vllm_frontend::generate::make_tiny_model(&args).map(|()| 0),
+        Command::CompileKernels(args) => vllm_frontend::compile_kernels::run(&args).map(|()| 0),
         Command::EngineCore { config_json } => {
             let config = serde_json::from_str(&config_json)?;
             runtime()?.block_on(vllm_engine_core::engine_core::run_engine_core(config))

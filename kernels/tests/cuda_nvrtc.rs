@@ -1,7 +1,8 @@
-//! The CUDA sources compile with NVRTC for Hopper in every dtype. Needs only libnvrtc (no
+//! The CUDA sources compile with NVRTC for Hopper in every dtype, into a kernel cache that
+//! gives the same CUBIN back on the next call. Needs only libnvrtc (no
 //! GPU), so it also runs on a build machine that has NVRTC; without it, it says SKIPPED.
 
-use vllm_kernels::cuda::{libs, module, nvrtc, sources, DType};
+use vllm_kernels::cuda::{libs, module, DType};
 
 #[test]
 #[ignore = "needs NVRTC: scripts/gpu_round.sh runs it with --ignored"]
@@ -19,24 +20,35 @@ fn kernels_compile_for_sm90_in_every_dtype() {
         );
         return;
     }
-    let tu = sources::translation_unit();
+    // Through the kernel cache, as `vllm-rs compile-kernels` and a server's start go: the
+    // first call compiles and stores, the second finds the same bytes under the same key.
+    let cache = tempfile::tempdir().expect("tempdir");
     for dtype in [DType::BF16, DType::F16, DType::F32] {
-        let options = module::compile_options("sm_90", dtype);
-        match nvrtc::compile_cubin(&tu, "vllm_kernels.cu", &options) {
-            Ok(cubin) => {
-                assert!(cubin.len() > 1000, "{dtype:?}: tiny cubin");
-                // Every name the loader will look up, from the loader's own list.
-                module::Functions::lookup(dtype, |name| {
-                    let symbol = format!("{name}\0");
-                    anyhow::ensure!(
-                        cubin.windows(symbol.len()).any(|w| w == symbol.as_bytes()),
-                        "{dtype:?}: no kernel {name} in the CUBIN"
-                    );
-                    Ok(())
-                })
-                .unwrap();
-            }
+        let cubin = match module::cubin_in(cache.path(), "sm_90", dtype) {
+            Ok(c) => c,
             Err(e) => panic!("{dtype:?}: {e:#}"),
-        }
+        };
+        assert_eq!(cubin.source, module::BuildSource::Compiled, "{dtype:?}");
+        assert!(cubin.bytes.len() > 1000, "{dtype:?}: tiny cubin");
+        // Every name the loader will look up, from the loader's own list.
+        module::Functions::lookup(dtype, |name| {
+            let symbol = format!("{name}\0");
+            anyhow::ensure!(
+                cubin
+                    .bytes
+                    .windows(symbol.len())
+                    .any(|w| w == symbol.as_bytes()),
+                "{dtype:?}: no kernel {name} in the CUBIN"
+            );
+            Ok(())
+        })
+        .unwrap();
+        let again = module::cubin_in(cache.path(), "sm_90", dtype).unwrap();
+        assert_eq!(again.source, module::BuildSource::Cache, "{dtype:?}");
+        assert_eq!(
+            (again.bytes, again.path),
+            (cubin.bytes, cubin.path),
+            "{dtype:?}"
+        );
     }
 }

@@ -75,13 +75,21 @@ pub fn check_libraries() -> Result<()> {
              folder holding libcuda.so.1 to LD_LIBRARY_PATH"
         );
     }
-    // SAFETY: only tries to dlopen the libraries by name.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        bail!("NVRTC (libnvrtc.so.13) not found: {}", hint());
-    }
-    // SAFETY: as above.
+    check_nvrtc()?;
+    // SAFETY: only tries to dlopen the library by name.
     if !unsafe { cudarc::cublas::sys::is_culib_present() } {
         bail!("cuBLAS (libcublas.so.13) not found: {}", hint());
+    }
+    Ok(())
+}
+
+/// Checks NVRTC alone: all that compiling the kernels needs (`vllm-rs compile-kernels`
+/// runs without a GPU or driver).
+pub fn check_nvrtc() -> Result<()> {
+    preload_toolkit();
+    // SAFETY: only tries to dlopen the library by name.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        bail!("NVRTC (libnvrtc.so.13) not found: {}", hint());
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Building and loading the kernel module of one dtype: the cache lookup, the NVRTC compile
 //! on a miss, the driver load, and the table of kernel functions.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -131,22 +132,36 @@ pub fn compile_options(arch: &str, dtype: DType) -> Vec<String> {
     ]
 }
 
-/// The CUBIN of `dtype` for `arch`, from the cache or freshly compiled (and then cached).
-pub fn cubin(arch: &str, dtype: DType) -> Result<(Vec<u8>, BuildSource)> {
+/// A CUBIN of the kernels and where the kernel cache keeps it.
+pub struct Cubin {
+    pub bytes: Vec<u8>,
+    pub source: BuildSource,
+    pub path: PathBuf,
+}
+
+/// The CUBIN of `dtype` for `arch`, from the kernel cache (`cache::cache_dir`) or freshly
+/// compiled (and then cached).
+pub fn cubin(arch: &str, dtype: DType) -> Result<Cubin> {
+    cubin_in(&cache::cache_dir(), arch, dtype)
+}
+
+/// The same with the cache in `dir`. Needs NVRTC only, no GPU: `vllm-rs compile-kernels`
+/// fills a cache ahead of a server's first start.
+pub fn cubin_in(dir: &Path, arch: &str, dtype: DType) -> Result<Cubin> {
     let tu = sources::translation_unit();
     let options = compile_options(arch, dtype);
     let (major, minor) = nvrtc::version()?;
     let nvrtc_version = format!("{major}.{minor}");
     let joined = options.join(" ");
     let key = cache::fnv1a(&[tu.as_bytes(), joined.as_bytes(), nvrtc_version.as_bytes()]);
-    let path = cache::entry_path(
-        &cache::cache_dir(),
-        &format!("{arch}-{}", dtype.name()),
-        key,
-    );
+    let path = cache::entry_path(dir, &format!("{arch}-{}", dtype.name()), key);
     if let Some(bytes) = cache::load(&path) {
         tracing::debug!(path = %path.display(), "kernel cache hit");
-        return Ok((bytes, BuildSource::Cache));
+        return Ok(Cubin {
+            bytes,
+            source: BuildSource::Cache,
+            path,
+        });
     }
     let started = Instant::now();
     let bytes = nvrtc::compile_cubin(&tu, "vllm_kernels.cu", &options)?;
@@ -158,12 +173,16 @@ pub fn cubin(arch: &str, dtype: DType) -> Result<(Vec<u8>, BuildSource)> {
         "compiled CUDA kernels with NVRTC"
     );
     cache::store(&path, &bytes);
-    Ok((bytes, BuildSource::Compiled))
+    Ok(Cubin {
+        bytes,
+        source: BuildSource::Compiled,
+        path,
+    })
 }
 
 /// Loads the module of `dtype` on `dev` and looks up every kernel.
 pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Functions, BuildSource)> {
-    let (bytes, source) = cubin(&dev.arch(), dtype)?;
+    let Cubin { bytes, source, .. } = cubin(&dev.arch(), dtype)?;
     let module = dev
         .ctx
         .load_module(Ptx::from_binary(bytes))

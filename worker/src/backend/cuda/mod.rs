@@ -7,6 +7,7 @@
 //! host-visible metadata (positions, slots, block tables) are checked on the host before a
 //! launch, so bad input is an error rather than a stray memory access.
 
+pub mod kernel_cache;
 pub mod memory;
 pub mod pending_step;
 pub mod sampling;

@@ -181,6 +181,16 @@ fn attention(dev: &CudaDevice, ops: &CudaOps) {
 /// One decode-only attention shape for `decode_attention`: `copies` caches of `seqs`
 /// sequences of `keys` keys each (blocks spread over the cache), so that the calls of a
 /// small shape cycle through more bytes than the 50 MB L2 holds.
+/// The step inputs an `AttentionPlan` reads, on the device.
+struct PlanInputs {
+    seq_lens: CudaSlice<i32>,
+    query_start_loc: CudaSlice<i32>,
+    tile_seq: CudaSlice<i32>,
+    tile_token: CudaSlice<i32>,
+    decode_seqs: CudaSlice<i32>,
+    decode_partition: CudaSlice<i32>,
+}
+
 struct DecodeShape {
     seqs: usize,
     keys: usize,
@@ -269,40 +279,59 @@ impl DecodeShape {
         plan
     }
 
-    /// Mean seconds of one call with `plan` (in a CUDA graph, cycling over the copies),
-    /// and the output of the last call.
-    fn run(&self, dev: &CudaDevice, ops: &CudaOps, plan: &AttentionPlan) -> (f64, Vec<f32>) {
+    /// The step inputs `plan` reads, on the device.
+    fn upload(&self, dev: &CudaDevice, plan: &AttentionPlan) -> PlanInputs {
         let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
-        let (sl, ql, ts, tt, ds, dp) = (
-            ints(&self.seq_lens),
-            ints(&self.qsl),
-            ints(&plan.tile_seq),
-            ints(&plan.tile_token),
-            ints(&plan.decode_seqs),
-            ints(&[plan.decode_partition as i32]),
-        );
-        let metas: Vec<AttentionMeta> = self
-            .tables
-            .iter()
-            .map(|bt| AttentionMeta {
-                block_tables: bt,
-                max_blocks_per_seq: self.blocks_per_seq,
-                seq_lens: &sl,
-                query_start_loc: &ql,
-                tile_seq: &ts,
-                tile_token: &tt,
-                decode_seqs: &ds,
-                decode_partition: &dp,
-                plan,
-            })
-            .collect();
-        let dims = AttentionDims {
+        PlanInputs {
+            seq_lens: ints(&self.seq_lens),
+            query_start_loc: ints(&self.qsl),
+            tile_seq: ints(&plan.tile_seq),
+            tile_token: ints(&plan.tile_token),
+            decode_seqs: ints(&plan.decode_seqs),
+            decode_partition: ints(&[plan.decode_partition as i32]),
+        }
+    }
+
+    /// The attention metadata of `plan` over the cache copy of `table`.
+    fn meta<'a>(
+        &self,
+        table: &'a CudaSlice<i32>,
+        inputs: &'a PlanInputs,
+        plan: &'a AttentionPlan,
+    ) -> AttentionMeta<'a> {
+        AttentionMeta {
+            block_tables: table,
+            max_blocks_per_seq: self.blocks_per_seq,
+            seq_lens: &inputs.seq_lens,
+            query_start_loc: &inputs.query_start_loc,
+            tile_seq: &inputs.tile_seq,
+            tile_token: &inputs.tile_token,
+            decode_seqs: &inputs.decode_seqs,
+            decode_partition: &inputs.decode_partition,
+            plan,
+        }
+    }
+
+    fn dims(&self) -> AttentionDims {
+        AttentionDims {
             num_tokens: self.seqs,
             num_q_heads: self.hq,
             num_kv_heads: HKV,
             head_dim: D,
             block_size: BS,
-        };
+        }
+    }
+
+    /// Mean seconds of one call with `plan` (in a CUDA graph, cycling over the copies),
+    /// and the output of the last call.
+    fn run(&self, dev: &CudaDevice, ops: &CudaOps, plan: &AttentionPlan) -> (f64, Vec<f32>) {
+        let inputs = self.upload(dev, plan);
+        let metas: Vec<AttentionMeta> = self
+            .tables
+            .iter()
+            .map(|bt| self.meta(bt, &inputs, plan))
+            .collect();
+        let dims = self.dims();
         let mut out = ops.alloc(self.seqs * self.hq * D).unwrap();
         let mut i = 0;
         let iters = if self.seqs > 1 { 10 } else { 200 };
@@ -665,7 +694,7 @@ struct LayerBatch {
     rows: usize,
     shape: DecodeShape,
     plan: AttentionPlan,
-    ints: [CudaSlice<i32>; 6],
+    inputs: PlanInputs,
     hidden: CudaSlice<u8>,
     residual: CudaSlice<u8>,
     qkv: CudaSlice<u8>,
@@ -682,15 +711,7 @@ impl LayerBatch {
         let mut shape = DecodeShape::new(dev, seq_lens);
         shape.set_q_heads(dev, HQ);
         let plan = shape.plan(ops, DecodeKernel::ThreePass, None);
-        let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
-        let ints = [
-            ints(&shape.seq_lens),
-            ints(&shape.qsl),
-            ints(&plan.tile_seq),
-            ints(&plan.tile_token),
-            ints(&plan.decode_seqs),
-            ints(&[plan.decode_partition as i32]),
-        ];
+        let inputs = shape.upload(dev, &plan);
         Self {
             rows,
             hidden: random(dev, rows * HIDDEN, 7),
@@ -701,61 +722,38 @@ impl LayerBatch {
             act: random(dev, rows * INTER, 12),
             shape,
             plan,
-            ints,
+            inputs,
         }
+    }
+
+    /// The residual add and RMS norm before attention and before the MLP.
+    fn add_norm(&mut self, ops: &CudaOps, w: &LayerWeights) {
+        let (x, r, m) = (&mut self.hidden, &mut self.residual, self.rows);
+        ops.fused_add_rms_norm(x, r, &w.norm, m, HIDDEN, 1e-6)
+            .unwrap();
     }
 
     /// Layer `l`'s launches, on the streams of `ops` and `gemm`.
     fn layer(&mut self, ops: &CudaOps, gemm: &Gemm, w: &LayerWeights, l: usize) {
         let (m, c) = (self.rows, l % w.qkv.len());
-        ops.fused_add_rms_norm(
-            &mut self.hidden,
-            &mut self.residual,
-            &w.norm,
-            m,
-            HIDDEN,
-            1e-6,
-        )
-        .unwrap();
+        self.add_norm(ops, w);
         gemm.linear(&self.hidden, &w.qkv[c], &mut self.qkv, m, HIDDEN, QKV_N)
             .unwrap();
-        let [sl, ql, ts, tt, ds, dp] = &self.ints;
-        let meta = AttentionMeta {
-            block_tables: &self.shape.tables[0],
-            max_blocks_per_seq: self.shape.blocks_per_seq,
-            seq_lens: sl,
-            query_start_loc: ql,
-            tile_seq: ts,
-            tile_token: tt,
-            decode_seqs: ds,
-            decode_partition: dp,
-            plan: &self.plan,
-        };
-        let dims = AttentionDims {
-            num_tokens: m,
-            num_q_heads: HQ,
-            num_kv_heads: HKV,
-            head_dim: D,
-            block_size: BS,
-        };
-        let (q, k, v) = (
-            &self.shape.q,
-            &self.shape.key_cache,
-            &self.shape.value_cache,
-        );
-        ops.paged_attention(q, k, v, &meta, dims, 0.088, &mut self.attn)
-            .unwrap();
-        gemm.linear(&self.attn, &w.o[c], &mut self.hidden, m, HQ * D, HIDDEN)
-            .unwrap();
-        ops.fused_add_rms_norm(
-            &mut self.hidden,
-            &mut self.residual,
-            &w.norm,
-            m,
-            HIDDEN,
-            1e-6,
+        let sh = &self.shape;
+        let meta = sh.meta(&sh.tables[0], &self.inputs, &self.plan);
+        ops.paged_attention(
+            &sh.q,
+            &sh.key_cache,
+            &sh.value_cache,
+            &meta,
+            sh.dims(),
+            0.088,
+            &mut self.attn,
         )
         .unwrap();
+        gemm.linear(&self.attn, &w.o[c], &mut self.hidden, m, HQ * D, HIDDEN)
+            .unwrap();
+        self.add_norm(ops, w);
         gemm.linear(
             &self.hidden,
             &w.gate_up[c],

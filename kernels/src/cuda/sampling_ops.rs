@@ -504,15 +504,14 @@ impl CudaOps {
                 &mut s.tokens)?;
         } else {
             // The same arguments; the draw variant carries the exp code.
-            if one_pass {
-                launch!(unsafe self, sample_fast_max_draw, cfg; logits, &vocab, &s.params,
-                    &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
-                    &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
+            let func = if one_pass {
+                &self.f.sample_fast_max_draw
             } else {
-                launch!(unsafe self, sample_fast_max, cfg; logits, &vocab, &s.params,
-                    &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
-                    &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
-            }
+                &self.f.sample_fast_max
+            };
+            launch!(unsafe self, func => "sample_fast_max(_draw)", cfg; logits, &vocab, &s.params,
+                &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
+                &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
         }
         if !draw {
             return Ok(());

@@ -215,6 +215,32 @@ __device__ float finish_row_max(int row, int chunks, const float* part_val, cons
     return max_y;
 }
 
+// After a chunk's argmax: thread 0 records it, and in the row's last block warp 0 finishes
+// the row (`finish_row_max`). False in every other block; in the last, true with the row's
+// max_y in every thread.
+__device__ __forceinline__ bool record_chunk_max(int row, int chunk, int chunks, float best,
+                                                 int best_id, const SampleRow& p,
+                                                 float* part_val, int* part_id,
+                                                 unsigned int* counters, float* row_max,
+                                                 int* row_fallback, int* out_tokens,
+                                                 float& max_y) {
+    const long long slot = (long long)row * chunks + chunk;
+    if (threadIdx.x == 0) {
+        part_val[slot] = best;
+        part_id[slot] = best_id;
+    }
+    if (!last_block_of_row(&counters[row], chunks)) return false;
+    __shared__ float max_y_s;
+    if (threadIdx.x < 32) {
+        const float y =
+            finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback, out_tokens);
+        if (threadIdx.x == 0) max_y_s = y;
+    }
+    __syncthreads();
+    max_y = max_y_s;
+    return true;
+}
+
 // The kept weight of one scaled logit (0: dropped), and whether it counts as kept.
 __device__ __forceinline__ bool fast_weight(float raw, float inv_t, float max_y, double min_p,
                                             const double* tab, double& w) {
@@ -425,29 +451,21 @@ __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, i
     float best;
     int best_id;
     block_chunk_argmax(visit, best, best_id);
-    const long long slot = (long long)row * chunks + chunk;
     if (one_pass) {
         double mass;
         int last;
         chunk_relative_mass(visit, p, best, tab, mass, last);
         if (threadIdx.x == 0) {
-            part_mass[slot] = mass;
-            part_last[slot] = last;
+            part_mass[(long long)row * chunks + chunk] = mass;
+            part_last[(long long)row * chunks + chunk] = last;
         }
     }
-    if (threadIdx.x == 0) {
-        part_val[slot] = best;
-        part_id[slot] = best_id;
-    }
-    if (!last_block_of_row(&counters[row], chunks)) return;
-    __shared__ float max_y_s;
-    if (threadIdx.x < 32) {
-        const float y =
-            finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback, out_tokens);
-        if (threadIdx.x == 0) max_y_s = y;
-    }
-    __syncthreads();
-    const float max_y = max_y_s;
+    float max_y;
+    if (!record_chunk_max(row, chunk, chunks, best, best_id, p, part_val, part_id, counters,
+                          row_max, row_fallback, out_tokens, max_y))
+        return;
+    // Not needed for max_y, but without it this kernel ran 2.6 % slower on the H100
+    // (ptxas schedules the draw's prologue differently).
     __syncthreads();
     if (!one_pass || max_y == NEG_INF) return;
     draw_row<true>(row, chunks, vocab, visit.x, p, max_y, row_fallback[row], part_val,
@@ -961,22 +979,13 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
     } else {
         block_chunk_argmax(visit, best, best_id);
     }
-    const long long slot = (long long)row * chunks + chunk;
-    if (threadIdx.x == 0) {
-        part_val[slot] = best;
-        part_id[slot] = best_id;
-    }
-    if (!last_block_of_row(&counters[row], chunks)) return;
-    __shared__ float max_y_s;
-    if (threadIdx.x < 32) {
-        const float y =
-            finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback, out_tokens);
-        if (threadIdx.x == 0) max_y_s = y;
-    }
-    __syncthreads();
-    if (!top || max_y_s == NEG_INF) return;
-    const int outcome = top_merge(row, chunks, vocab, p, max_y_s, row_fallback[row], -1.0, cand, cand_n,
-                                  cand_bound);
+    float max_y;
+    if (!record_chunk_max(row, chunk, chunks, best, best_id, p, part_val, part_id, counters,
+                          row_max, row_fallback, out_tokens, max_y))
+        return;
+    if (!top || max_y == NEG_INF) return;
+    const int outcome = top_merge(row, chunks, vocab, p, max_y, row_fallback[row], -1.0, cand,
+                                  cand_n, cand_bound);
     top_finish(row, outcome, params, row_max, out_tokens);
 }
 

@@ -445,35 +445,47 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// top-p rows merge candidates, and hand a row to the one-block-per-row kernel when the
 /// merge cannot be exact: top-p alone over the flat random logits always does ("falls
 /// back"), so it is timed again over peaked logits (one row-specific spike of +12, as a
-/// model's confident row). The floor is one read of the logits (78 MB: about 26 us at
-/// 3 TB/s).
+/// model's confident row). Flat logits in bf16 tie by the hundred at the top (uniform in
+/// [-1, 1): about 300 tokens a bf16 value near 1), which no trained model's do, so top-k
+/// is timed again over normal logits (standard deviation 2.5, as a model's bulk: about
+/// one token a value at the 20th largest). The floor is one read of the logits (78 MB:
+/// about 26 us at 3 TB/s).
 fn sampling(dev: &CudaDevice, ops: &CudaOps) {
     // `VLLM_BENCH_CASE`: only the case of that name (one case under ncu).
     let only = std::env::var("VLLM_BENCH_CASE").unwrap_or_default();
     let logits = random(dev, SEQS * VOCAB, 4);
     let peaked = peaked(dev, 4);
+    let normal = normal(dev, 4);
     let bytes = (SEQS * VOCAB * 2) as f64;
-    for (name, temperature, top_k, top_p, min_p, peak) in [
-        ("greedy", 0.0, -1, 1.0, 0.0, false),
-        ("temperature 0.6", 0.6, -1, 1.0, 0.0, false),
-        ("temperature 0.6 min-p 0.05", 0.6, -1, 1.0, 0.05, false),
-        ("t 0.6 top-k 20 top-p 0.95", 0.6, 20, 0.95, 0.0, false),
+    for (name, temperature, top_k, top_p, min_p, x) in [
+        ("greedy", 0.0, -1, 1.0, 0.0, &logits),
+        ("temperature 0.6", 0.6, -1, 1.0, 0.0, &logits),
+        ("temperature 0.6 min-p 0.05", 0.6, -1, 1.0, 0.05, &logits),
+        ("t 0.6 top-k 20 top-p 0.95", 0.6, 20, 0.95, 0.0, &logits),
         (
             "t 0.6 top-p 0.9 (flat: falls back)",
             0.6,
             -1,
             0.9,
             0.0,
-            false,
+            &logits,
         ),
-        ("t 0.6 top-p 0.9 (peaked)", 0.6, -1, 0.9, 0.0, true),
+        ("t 0.6 top-p 0.9 (peaked)", 0.6, -1, 0.9, 0.0, &peaked),
         (
             "t 0.6 top-k 20 top-p 0.95 (peaked)",
             0.6,
             20,
             0.95,
             0.0,
-            true,
+            &peaked,
+        ),
+        (
+            "t 0.6 top-k 20 top-p 0.95 (normal)",
+            0.6,
+            20,
+            0.95,
+            0.0,
+            &normal,
         ),
     ] {
         if !only.is_empty() && name != only {
@@ -488,7 +500,6 @@ fn sampling(dev: &CudaDevice, ops: &CudaOps) {
         });
         let rows = vec![row; SEQS];
         let batch = SamplingBatch::plain(&rows);
-        let x = if peak { &peaked } else { &logits };
         // One checked call first: how many rows the fast path handed back.
         let back = ops.sample_tokens_ex(x, VOCAB, &batch, true).unwrap();
         let s = time(dev, 20, || {
@@ -500,6 +511,23 @@ fn sampling(dev: &CudaDevice, ops: &CudaOps) {
             back.handed_back
         );
     }
+}
+
+/// Logits of a normal distribution (mean 0, standard deviation 2.5; Box-Muller over
+/// `random_values`), in bf16.
+fn normal(dev: &CudaDevice, seed: u64) -> CudaSlice<u8> {
+    let u = random_values(SEQS * VOCAB * 2, seed);
+    let v: Vec<f32> = u
+        .chunks_exact(2)
+        .map(|p| {
+            // [-1, 1) to (0, 1]: the log is finite.
+            let (a, b) = ((1.0 - p[0]) / 2.0, (p[1] + 1.0) / 2.0);
+            2.5 * (-2.0 * a.ln()).sqrt() * (std::f32::consts::TAU * b).cos()
+        })
+        .collect();
+    dev.stream
+        .clone_htod(&DType::BF16.encode(&v))
+        .expect("upload")
 }
 
 /// `random`'s logits with one spike of +12 per row (at a row-specific token).

@@ -31,8 +31,10 @@ pub const ENTRY_MASK: i32 = 2;
 
 /// [`SampleRowEx::path`]: the row is sampled by sampling_fast.cu (`PATH_FAST` there).
 pub const PATH_FAST: i32 = 1;
-/// Tokens of one block of the fast path (`FAST_CHUNK` in sampling_fast.cu).
-const FAST_CHUNK: usize = 8192;
+/// Tokens of one block of the fast path (`FAST_CHUNK` in sampling_fast.cu), and of one
+/// block of `sample_fast_draw` (`DRAW_CHUNK`).
+const FAST_CHUNK: usize = 16384;
+const DRAW_CHUNK: usize = 8192;
 /// Threads of one block of the fast path (`FAST_THREADS` in sampling_fast.cu).
 const FAST_THREADS: u32 = 256;
 /// Candidate slots of one chunk of a top-k / top-p row: `FAST_WARPS` × `TOP_WCAP` in
@@ -483,20 +485,21 @@ impl CudaOps {
             one_pass,
             draw,
         } = plan;
-        let chunks = (vocab as usize).div_ceil(FAST_CHUNK);
         ensure!(
-            chunks <= i32::MAX as usize && rows <= 65_535,
-            "sampling: {rows} rows of {vocab} tokens exceed the fast path's grid"
+            rows <= 65_535,
+            "sampling: {rows} rows exceed the fast path's grid"
         );
         // (chunk, row), so that a row's blocks run together (sampling_fast.cu's `fast_block`).
-        let cfg = LaunchConfig {
-            grid_dim: (chunks as u32, rows as u32, 1),
+        let grid = |chunk: usize| LaunchConfig {
+            grid_dim: ((vocab as usize).div_ceil(chunk) as u32, rows as u32, 1),
             block_dim: (FAST_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
+        let cfg = grid(FAST_CHUNK);
         // SAFETY (all launches): the caller checked the logits size; the scratch holds at
-        // least rows × chunks partials, rows × chunks × TOP_WARP_SLOTS candidate slots and
-        // one counter, max and fallback per row, as the kernels index them.
+        // least rows × (vocab / DRAW_CHUNK, the most chunks of any launch) partials and
+        // candidate slots per chunk, and one counter, max and fallback per row, as the
+        // kernels index them.
         if top {
             launch!(unsafe self, sample_fast_top, cfg; logits, &vocab, &mut s.params,
                 &mut s.part_val, &mut s.part_id, &mut s.cand, &mut s.cand_n,
@@ -521,9 +524,9 @@ impl CudaOps {
                 &mut s.row_max, &s.row_fallback, &mut s.part_mass, &mut s.part_last,
                 &mut s.counters, &mut s.tokens, &s.cand, &s.cand_n, &s.cand_bound)
         } else {
-            launch!(unsafe self, sample_fast_draw, cfg; logits, &vocab, &mut s.params,
-                &s.row_max, &s.row_fallback, &mut s.part_mass, &mut s.part_last,
-                &mut s.counters, &mut s.tokens)
+            launch!(unsafe self, sample_fast_draw, grid(DRAW_CHUNK); logits, &vocab,
+                &mut s.params, &s.row_max, &s.row_fallback, &mut s.part_mass,
+                &mut s.part_last, &mut s.counters, &mut s.tokens)
         }
     }
 
@@ -598,7 +601,8 @@ impl CudaOps {
             .0
             .lock()
             .map_err(|_| anyhow::anyhow!("sampling: a previous call panicked"))?;
-        let s = SamplingScratch::buffers(&mut slot, self, rows, vocab.div_ceil(FAST_CHUNK))?;
+        let chunks = vocab.div_ceil(FAST_CHUNK.min(DRAW_CHUNK));
+        let s = SamplingScratch::buffers(&mut slot, self, rows, chunks)?;
         let out = f(s);
         if out.is_err() {
             *slot = None;

@@ -6,9 +6,10 @@
 // scaled logits y; min-p drops weights below min_p; inverse CDF in token-id order from the host's
 // uniform, f64 accumulation; the same fallbacks at the rounding edges.
 //
-// Each launch is over (row, chunk of FAST_CHUNK tokens) blocks; the last block of a row to
-// finish (an atomic counter per row, reset by that block for the next launch) reduces the
-// row's chunk results, so nothing waits on another block:
+// Each launch is over (row, chunk of FAST_CHUNK tokens; DRAW_CHUNK in `sample_fast_draw`)
+// blocks; the last block of a row to finish (an atomic counter per row, reset by that
+// block for the next launch) reduces the row's chunk results, so nothing waits on another
+// block:
 // 1. `sample_fast_max`: chunk argmax → the row's argmax (the greedy token, and the fallback
 //    and max_y of temperature rows). `sample_fast_max_draw`, the same for batches with
 //    plain temperature rows (no min-p, top-k or top-p), draws those too: a chunk's mass
@@ -26,7 +27,13 @@
 // it also samples the top rows handed back), and the reverse.
 
 #define FAST_THREADS 256
-#define FAST_CHUNK 8192
+// 16,384 rather than 8,192: half the blocks, each row's partials and last-block finish
+// half as many, which took 4-30 % off the max and top kernels on the H100
+// (docs/BENCHMARKS.md). `sample_fast_draw` (min-p rows) keeps 8,192: at 16,384 it ran
+// 10-22 % slower, whether it held its chunk whole or in two parts (its row's walk of the
+// chosen chunk, by one block, doubles).
+#define FAST_CHUNK 16384
+#define DRAW_CHUNK 8192
 // Elements of one 16-byte load.
 #define FAST_VEC (16 / (int)sizeof(scalar_t))
 
@@ -68,6 +75,7 @@ __device__ __forceinline__ void fill_exp_table(double* tab) {
 
 // 16-byte vectors of a full chunk a thread loads.
 #define FAST_PER (FAST_CHUNK / FAST_VEC / FAST_THREADS)
+#define DRAW_PER (DRAW_CHUNK / FAST_VEC / FAST_THREADS)
 // Blocks an SM `sample_fast_max_draw` is compiled for: up to 64 registers, which a
 // one-pass row's eight interleaved exp chains need (ptxas's own choice, 48, spilled).
 #define FAST_MAX_BLOCKS 4
@@ -80,10 +88,11 @@ __device__ __forceinline__ int vector_token(int lo, int k) {
 // This thread's 16-byte vectors of [lo, hi): threads interleave in vectors, so that a
 // warp's loads are coalesced, all issued before the first use (none past hi: the row is
 // whole vectors).
+template <int N>
 __device__ __forceinline__ void load_vectors(const scalar_t* __restrict__ x, int lo, int hi,
-                                             uint4 (&raw)[FAST_PER]) {
+                                             uint4 (&raw)[N]) {
 #pragma unroll
-    for (int k = 0; k < FAST_PER; ++k) {
+    for (int k = 0; k < N; ++k) {
         const int t0 = vector_token(lo, k);
         raw[k] = t0 < hi ? *(const uint4*)(x + t0) : make_uint4(0u, 0u, 0u, 0u);
     }
@@ -91,10 +100,10 @@ __device__ __forceinline__ void load_vectors(const scalar_t* __restrict__ x, int
 
 // Calls f(t, raw logit) for this thread's tokens of [lo, hi) held in `raw`, in increasing
 // id order.
-template <typename F>
-__device__ __forceinline__ void for_vectors(const uint4 (&raw)[FAST_PER], int lo, int hi, F f) {
+template <int N, typename F>
+__device__ __forceinline__ void for_vectors(const uint4 (&raw)[N], int lo, int hi, F f) {
 #pragma unroll
-    for (int k = 0; k < FAST_PER; ++k) {
+    for (int k = 0; k < N; ++k) {
         const int t0 = vector_token(lo, k);
         if (t0 >= hi) break;
         const scalar_t* v = (const scalar_t*)&raw[k];
@@ -103,11 +112,12 @@ __device__ __forceinline__ void for_vectors(const uint4 (&raw)[FAST_PER], int lo
     }
 }
 
-// Calls f(t, raw logit) for this thread's tokens of one chunk in increasing id order: from
-// the registers `cur` (`vec`), or loaded one at a time (rows that are not whole, aligned
-// 16-byte vectors).
+// Calls f(t, raw logit) for this thread's tokens of one chunk (N vectors a thread:
+// FAST_PER or DRAW_PER) in increasing id order: from the registers `cur` (`vec`), or
+// loaded one at a time (rows that are not whole, aligned 16-byte vectors).
+template <int N = FAST_PER>
 struct ChunkTokens {
-    const uint4 (&cur)[FAST_PER];
+    const uint4 (&cur)[N];
     const scalar_t* x;
     int lo, hi;
     bool vec;
@@ -128,7 +138,7 @@ struct ChunkTokens {
 // unless a finite logit equals +inf's stand-in FLT_MAX (f32 logits only): a chunk whose
 // maximum is +inf is compared again, sanitised. A thread's first token stands for its
 // all -inf / NaN tokens, so that such a chunk gives its first token, as the CPU.
-__device__ __forceinline__ void block_chunk_argmax(const ChunkTokens& visit, float& best,
+__device__ __forceinline__ void block_chunk_argmax(const ChunkTokens<>& visit, float& best,
                                                    int& best_id) {
     best = NEG_INF;
     best_id = NO_TOKEN;
@@ -153,16 +163,19 @@ __device__ __forceinline__ void block_chunk_argmax(const ChunkTokens& visit, flo
     block_argmax(best, best_id, NO_TOKEN);
 }
 
-// The tokens of chunk `chunk` of `row`. Where the rows are whole, aligned vectors, its
-// vectors are loaded into `raw` here, or by the caller later when not `load`.
-__device__ __forceinline__ ChunkTokens chunk_tokens(const scalar_t* __restrict__ logits,
-                                                   int vocab, int row, int chunk,
-                                                   uint4 (&raw)[FAST_PER], bool load = true) {
+// The tokens of chunk `chunk` of `row`, chunks of N vectors a thread. Where the rows are
+// whole, aligned vectors, its vectors are loaded into `raw` here, or by the caller later
+// when not `load`.
+template <int N = FAST_PER>
+__device__ __forceinline__ ChunkTokens<N> chunk_tokens(const scalar_t* __restrict__ logits,
+                                                      int vocab, int row, int chunk,
+                                                      uint4 (&raw)[N], bool load = true) {
+    constexpr int len = N * FAST_VEC * FAST_THREADS;
     const scalar_t* x = logits + (long long)row * vocab;
-    const int lo = chunk * FAST_CHUNK, hi = min(vocab, lo + FAST_CHUNK);
+    const int lo = chunk * len, hi = min(vocab, lo + len);
     const bool vec = vocab % FAST_VEC == 0 && aligned16(logits) && blockDim.x == FAST_THREADS;
     if (vec && load) load_vectors(x, lo, hi, raw);
-    return ChunkTokens{raw, x, lo, hi, vec};
+    return ChunkTokens<N>{raw, x, lo, hi, vec};
 }
 
 // True in every thread of the block that finishes its row last. Thread 0's earlier global
@@ -289,7 +302,8 @@ __device__ __forceinline__ int block_max_int(int v) {
 // walked in id order with the CPU's weights; when rounding leaves the target past every
 // weight, the last kept token, as the CPU. Writes out_tokens[row]. The whole block.
 template <bool RELATIVE>
-__device__ void draw_row(int row, int chunks, int vocab, const scalar_t* __restrict__ x,
+__device__ void draw_row(int row, int chunks, int chunk_len, int vocab,
+                         const scalar_t* __restrict__ x,
                          const SampleRow& p, float max_y, int fallback, const float* part_val,
                          const double* part_mass, const int* part_last, const double* tab,
                          int* __restrict__ out_tokens) {
@@ -356,7 +370,7 @@ __device__ void draw_row(int row, int chunks, int vocab, const scalar_t* __restr
         // thread a contiguous FAST_VEC of them, a block scan per segment.
         const double target = target_s;
         double running = before_s;
-        const int c_lo = found * FAST_CHUNK, c_hi = min(vocab, c_lo + FAST_CHUNK);
+        const int c_lo = found * chunk_len, c_hi = min(vocab, c_lo + chunk_len);
         __shared__ int answer;
         if (threadIdx.x == 0) answer = -1;
         __syncthreads();
@@ -407,7 +421,7 @@ __device__ void draw_row(int row, int chunks, int vocab, const scalar_t* __restr
 // can see; `last` is then the chunk's last token, which the CPU takes only when rounding
 // leaves the draw's target past every weight, and would take among the tokens it keeps.
 // Otherwise (a huge, infinite or overflowing maximum) every token as the CPU.
-__device__ __forceinline__ void chunk_relative_mass(const ChunkTokens& visit, const SampleRow& p,
+__device__ __forceinline__ void chunk_relative_mass(const ChunkTokens<>& visit, const SampleRow& p,
                                                     float best, const double* tab, double& mass,
                                                     int& last) {
     const float inv_t = 1.f / p.temperature;
@@ -442,7 +456,7 @@ __device__ __forceinline__ void chunk_relative_mass(const ChunkTokens& visit, co
 
 // The block of `sample_fast_max(_draw)` for one (row, chunk) of `visit`'s tokens.
 __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, int vocab,
-                                               const ChunkTokens& visit, bool one_pass,
+                                               const ChunkTokens<>& visit, bool one_pass,
                                                const SampleRow& p, float* part_val,
                                                int* part_id, double* part_mass,
                                                int* part_last, unsigned int* counters,
@@ -468,8 +482,8 @@ __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, i
     // (ptxas schedules the draw's prologue differently).
     __syncthreads();
     if (!one_pass || max_y == NEG_INF) return;
-    draw_row<true>(row, chunks, vocab, visit.x, p, max_y, row_fallback[row], part_val,
-                   part_mass, part_last, tab, out_tokens);
+    draw_row<true>(row, chunks, FAST_CHUNK, vocab, visit.x, p, max_y, row_fallback[row],
+                   part_val, part_mass, part_last, tab, out_tokens);
     if (threadIdx.x == 0) row_max[row] = NEG_INF;  // drawn: nothing for sample_fast_draw
 }
 
@@ -487,7 +501,7 @@ __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, in
     // registers between its two kinds of rows); it stays in registers for both passes of
     // a one-pass row.
     uint4 regs[FAST_PER];
-    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
+    const ChunkTokens<> visit = chunk_tokens(logits, vocab, row, chunk, regs);
     if (params[row].path != PATH_FAST) return;
     const SampleRow p = params[row].base;
     __shared__ double tab[64];
@@ -518,17 +532,18 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
 
 // ---- Top-k / top-p rows (`is_top_row`): candidates, then an exact merge per row. ----
 //
-// In `sample_fast_top` each warp keeps the largest of its 1,024 tokens (up to TOP_WCAP,
+// In `sample_fast_top` each warp keeps the largest of its 2,048 tokens (up to TOP_WCAP,
 // every token at or above a threshold, so ties are never split) and records a bound:
 // every token of the warp whose total-order key is >= the bound is a candidate. Above the
 // row's largest bound (`lim` once scaled) the candidates are therefore complete: the
 // "region", an upper set of the row. The row's last block sorts the region (best first,
 // ties to the lowest id: the CPU's total_cmp order) and applies min-p, top-k and top-p
-// and the draw as worker/src/sampler.rs does, f64 sums in the CPU's order. That is exact
-// whenever the kept set lies in the region: top-k with k <= the region's size, min-p
-// cutting inside it, or top-p reached inside it. Top-p over a min-p set that leaves the
-// region needs the row's total mass: bounds of it decide the cut when they agree (a
-// peaked row), else `sample_fast_draw_top` sums it and merges again.
+// and the draw as worker/src/sampler.rs does, its f64 sums a warp's (equal to the CPU's
+// up to f64 rounding, as the one-pass draw's). That is exact whenever the kept set lies
+// in the region: top-k with k <= the region's size, min-p cutting inside it, or top-p
+// reached inside it. Top-p over a min-p set that leaves the region needs the row's total
+// mass: bounds of it decide the cut when they agree (a peaked row), else
+// `sample_fast_draw_top` sums it and merges again.
 // Anything else (flat rows, ties past the capacities) goes to `sample_tokens_ex`
 // (path set to 0), never to an approximation.
 
@@ -540,8 +555,9 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
 // A position in the merge (< TOP_MERGE); the ids of top rows' tokens take the other 21
 // bits of a 32-bit key (TOP_MAX_VOCAB in sampling_ops.rs).
 #define TOP_RANK_BITS 11
-// Blocks an SM the top kernels are compiled for: up to 85 registers, which they need
-// without spilling (ptxas's own choice, 64, spilled); 3 × 16 KB of loads in flight an SM.
+// Blocks an SM the top kernels are compiled for: up to 80 registers, which they need (at
+// ptxas's own choice, 64, they spilled; at 2 blocks an SM the top kernel ran 18 % slower);
+// 3 × 32 KB of loads in flight an SM.
 #define TOP_MIN_BLOCKS 3
 #define BOUND_ALL 0u                            // every finite token of the warp is kept
 // Outcomes of a merge besides a token (>= 0).
@@ -559,72 +575,122 @@ __device__ __forceinline__ int elem_id(bool full, int lo, int e) {
                 : lo + (int)threadIdx.x + e * FAST_THREADS;
 }
 
-// This thread's tokens of the chunk, sanitised, in registers (-inf where absent), in
-// increasing id order: from `visit`'s vectors where the chunk is whole 16-byte vectors
-// (returns true: `elem_id`'s vector layout), else loaded one a thread in turn.
-__device__ __forceinline__ bool chunk_floats(const ChunkTokens& visit, float (&v)[FAST_ELEMS]) {
+// A thread's candidates are a 64-bit mask of its register elements.
+static_assert(FAST_ELEMS == 64, "warp_candidates masks 64 elements a thread");
+
+// This thread's raw tokens of the chunk in registers (-inf where absent), in increasing id
+// order: from `visit`'s vectors where the chunk is whole 16-byte vectors (returns true:
+// `elem_id`'s vector layout), else loaded one a thread in turn. Not sanitised:
+// `lane_argmax` sanitises the rare warp that needs it.
+__device__ __forceinline__ bool chunk_floats(const ChunkTokens<>& visit, float (&v)[FAST_ELEMS]) {
     if (visit.vec && visit.hi - visit.lo == FAST_CHUNK) {
 #pragma unroll
         for (int k = 0; k < FAST_PER; ++k) {
             const uint4 raw = visit.cur[k];
             const scalar_t* r = (const scalar_t*)&raw;
 #pragma unroll
-            for (int j = 0; j < FAST_VEC; ++j) v[k * FAST_VEC + j] = sanitize(to_f32(r[j]));
+            for (int j = 0; j < FAST_VEC; ++j) v[k * FAST_VEC + j] = to_f32(r[j]);
         }
         return true;
     }
 #pragma unroll
     for (int e = 0; e < FAST_ELEMS; ++e) {
         const int t = visit.lo + (int)threadIdx.x + e * FAST_THREADS;
-        v[e] = t < visit.hi ? sanitize(to_f32(visit.x[t])) : NEG_INF;
+        v[e] = t < visit.hi ? to_f32(visit.x[t]) : NEG_INF;
     }
     return false;
 }
 
+// The thread's first maximum of v by register index (ids rise with it; tokens past hi are
+// -inf), its index in `best_e` (0 where none beats -inf: the first token, as the CPU).
+// A NaN never wins and never passes a candidate's >=, as sanitize's -inf; only +inf, which
+// sanitize makes FLT_MAX (tied with a finite FLT_MAX), needs the sanitised values, so a
+// warp holding one sanitises its registers and looks again.
+__device__ __forceinline__ float lane_argmax(float (&v)[FAST_ELEMS], int& best_e) {
+    float best = NEG_INF;
+    best_e = 0;
+#pragma unroll
+    for (int e = 0; e < FAST_ELEMS; ++e) {
+        if (v[e] > best) {
+            best = v[e];
+            best_e = e;
+        }
+    }
+    if (!__any_sync(0xffffffffu, best == __int_as_float(0x7f800000))) return best;
+    best = NEG_INF;
+    best_e = 0;
+#pragma unroll
+    for (int e = 0; e < FAST_ELEMS; ++e) {
+        v[e] = sanitize(v[e]);
+        if (v[e] > best) {
+            best = v[e];
+            best_e = e;
+        }
+    }
+    return best;
+}
+
+// The 32 keys of a warp sorted largest first: lane j gets the (j+1)-th largest (bitonic,
+// by shuffles).
+__device__ __forceinline__ unsigned int warp_sort_desc(unsigned int key) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            const unsigned int other = __shfl_xor_sync(0xffffffffu, key, j);
+            // An ascending network's pair keeps (min, max) in a rising run; flipped here,
+            // so the last run falls.
+            const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
+            key = keep_max ? max(key, other) : min(key, other);
+        }
+    }
+    return key;
+}
+
 // One warp's candidates into `slot`: every finite token >= the J-th largest lane maximum
 // for the largest J in 16, 8, 4, 2, 1 whose tokens fit TOP_WCAP; none, with a bound above
-// the warp's maximum, when even its maximum is tied more often than that.
+// the warp's maximum, when even its maximum is tied more often than that. `x`: the row's
+// logits, whose candidates are read again (registers cannot be indexed by a variable).
 __device__ __forceinline__ void warp_candidates(const float (&v)[FAST_ELEMS], float lane_max,
-                                                bool full, int lo, long long slot,
+                                                bool full, int lo,
+                                                const scalar_t* __restrict__ x, long long slot,
                                                 unsigned long long* cand, int* cand_n,
                                                 unsigned int* cand_bound) {
     const int lane = threadIdx.x & 31;
-    // kth[i]: the key of the 2^i-th largest lane maximum (0 marks a removed lane; every
-    // real key is larger, the maxima are never NaN).
-    unsigned int key = order_key(lane_max), kth[5];
-#pragma unroll
-    for (int j = 1; j <= TOP_J; ++j) {
-        const unsigned int m = __reduce_max_sync(0xffffffffu, key);
-        if ((j & (j - 1)) == 0) kth[__popc(j - 1)] = m;
-        const unsigned int holders = __ballot_sync(0xffffffffu, key == m);
-        if (lane == __ffs(holders) - 1) key = 0;
-    }
-    // Candidates: the finite tokens >= t. v is never NaN, so with t_cmp (t, or -FLT_MAX
-    // for a -inf t) one comparison decides.
+    // Lane i: the key of the (i+1)-th largest lane maximum (never NaN: see lane_argmax).
+    const unsigned int kth = warp_sort_desc(order_key(lane_max));
+    // Candidates: the finite tokens >= t, a bit each in `mask`. With t_cmp (t, or -FLT_MAX
+    // for a -inf t) one comparison decides (a NaN is never >=).
     float t = NEG_INF, t_cmp = -FLT_MAX_F;
-    int count = 0, n = 0, level = 4;
+    int count = 0, level = 31 - __clz(TOP_J);
+    unsigned int mask[2];
     for (; level >= 0; --level) {
-        t = key_value(kth[level]);
+        t = key_value(__shfl_sync(0xffffffffu, kth, (1 << level) - 1));
         t_cmp = t == NEG_INF ? -FLT_MAX_F : t;
-        n = 0;
+        mask[0] = mask[1] = 0u;
 #pragma unroll
-        for (int e = 0; e < FAST_ELEMS; ++e) n += v[e] >= t_cmp ? 1 : 0;
-        count = __reduce_add_sync(0xffffffffu, n);
+        for (int e = 0; e < FAST_ELEMS; ++e)
+            if (v[e] >= t_cmp) mask[e / 32] |= 1u << (e % 32);
+        count = __reduce_add_sync(0xffffffffu, __popc(mask[0]) + __popc(mask[1]));
         if (count <= TOP_WCAP) break;
     }
     if (level < 0) {  // the maximum alone overflows: nothing kept, complete above it
         if (lane == 0) {
             cand_n[slot] = 0;
-            cand_bound[slot] = kth[0] + 1;
+            cand_bound[slot] = __shfl_sync(0xffffffffu, kth, 0) + 1;
         }
         return;
     }
+    const int n = __popc(mask[0]) + __popc(mask[1]);
     int pos = warp_inclusive_scan(n) - n;
     unsigned long long* out = cand + slot * TOP_WCAP;
 #pragma unroll
-    for (int e = 0; e < FAST_ELEMS; ++e) {
-        if (v[e] >= t_cmp)
-            out[pos++] = ((unsigned long long)elem_id(full, lo, e) << 32) | __float_as_uint(v[e]);
+    for (int h = 0; h < 2; ++h) {
+        for (unsigned int bits = mask[h]; bits != 0; bits &= bits - 1) {
+            const int id = elem_id(full, lo, h * 32 + __ffs(bits) - 1);
+            out[pos++] = ((unsigned long long)id << 32) | __float_as_uint(sanitize(to_f32(x[id])));
+        }
     }
     if (lane == 0) {
         cand_n[slot] = count;
@@ -767,6 +833,43 @@ __device__ __forceinline__ int keep_top_k(unsigned long long* sorted, int c, int
     return kept;
 }
 
+// Warp-parallel walks of a merge: running sums 32 terms at a time (a warp scan), equal to
+// the CPU's one-at-a-time sums up to f64 rounding, as any other order of them.
+//
+// The first i in [0, n) where the running sum of w(0..i) reaches `target` (> when
+// `strict`, else >=), and that sum in `at`; n and the whole sum when it never does. Every
+// lane of the warp gets both.
+template <typename W>
+__device__ __forceinline__ int warp_first_crossing(int n, W w, double target, bool strict,
+                                                   double& at) {
+    const int lane = threadIdx.x & 31;
+    double running = 0.0;
+    for (int i0 = 0; i0 < n; i0 += 32) {
+        const int i = i0 + lane;
+        const double incl = running + warp_inclusive_scan(i < n ? w(i) : 0.0);
+        const bool cross = i < n && (strict ? incl > target : incl >= target);
+        const unsigned int hits = __ballot_sync(0xffffffffu, cross);
+        if (hits != 0) {
+            const int first = __ffs(hits) - 1;
+            at = __shfl_sync(0xffffffffu, incl, first);
+            return i0 + first;
+        }
+        running = __shfl_sync(0xffffffffu, incl, 31);
+    }
+    at = running;
+    return n;
+}
+
+// Σ w(i) over [0, n) (every lane of the warp gets it).
+template <typename W>
+__device__ __forceinline__ double warp_sum(int n, W w) {
+    double sum = 0.0;
+    for (int i = threadIdx.x & 31; i < n; i += 32) sum += w(i);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    return sum;
+}
+
 // The row's token from its candidates, or why not (TOP_TOTAL, TOP_GENERAL). `total`: the
 // row's kept mass (sample_fast_draw_top), < 0 when not known yet. The whole block.
 __device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const SampleRow& p,
@@ -809,8 +912,8 @@ __device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const S
     const double region_mass = block_total(mine);
 
     // Which prefix of `sorted` is S (min-p, then top-k), or the top-p cut when S leaves the
-    // region; m: how many of `sorted` to order by id.
-    if (threadIdx.x == 0) {
+    // region; m: how many of `sorted` to order by id. Warp 0, every lane the same values.
+    if (threadIdx.x < 32) {
         int decision = 0, m = 0, q = -1;  // decision 0: go on
         const double min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
         // The region's tokens that min-p keeps: a prefix, weights falling.
@@ -846,30 +949,25 @@ __device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const S
             const double hi =
                 (region_mass + (double)(vocab - c) * top_weight(lim, max_y)) * (1.0 + 1e-9);
             const double t_lo = (double)p.top_p * lo, t_hi = (double)p.top_p * hi;
-            double mass = 0.0;
-            q = 0;
-            while (q < c) {
-                mass += weight[q++];
-                if (mass >= t_lo) break;
-            }
-            if (mass >= t_lo && mass >= t_hi) m = q;
+            double mass;
+            const int i = warp_first_crossing(c, [&](int j) { return weight[j]; }, t_lo, false,
+                                              mass);
+            if (i < c && mass >= t_hi) m = q = i + 1;
             else decision = TOP_TOTAL;
         } else if (decision == 0) {
             // Top-p over the whole min-p set (every region token is in it): the cut must
             // fall inside the region.
-            const double target = (double)p.top_p * total;
-            double mass = 0.0;
-            q = 0;
-            while (q < c) {
-                mass += weight[q++];
-                if (mass >= target) break;
-            }
-            if (!(mass >= target)) decision = TOP_GENERAL;
-            m = q;
+            double mass;
+            const int i = warp_first_crossing(c, [&](int j) { return weight[j]; },
+                                              (double)p.top_p * total, false, mass);
+            if (i == c) decision = TOP_GENERAL;
+            m = q = i + 1;
         }
-        decision_s = decision;
-        m_s = m;
-        q_s = q;
+        if (threadIdx.x == 0) {
+            decision_s = decision;
+            m_s = m;
+            q_s = q;
+        }
     }
     __syncthreads();
     if (decision_s != 0) return decision_s;
@@ -879,49 +977,38 @@ __device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const S
         by_id[i] = i < m ? ((unsigned int)sorted[i] << TOP_RANK_BITS) | (unsigned int)i : ~0u;
     block_sort(by_id, nb);
 
-    if (threadIdx.x == 0) {
-        const unsigned int rank_mask = (1u << TOP_RANK_BITS) - 1u;
+    // The cut and the draw, by warp 0 (every lane the same values).
+    if (threadIdx.x < 32) {
+        const auto rank = [&](int i) { return (int)(by_id[i] & ((1u << TOP_RANK_BITS) - 1u)); };
+        double at;
         int q = q_s;
         if (q < 0 && p.top_p < 1.f) {
-            // Top-p over S: its mass in id order (the CPU's sum), then the sorted walk.
-            double sum = 0.0;
-            for (int i = 0; i < m; ++i) sum += weight[by_id[i] & rank_mask];
-            const double target = (double)p.top_p * sum;
-            double mass = 0.0;
-            q = m;
-            for (int i = 0; i < m; ++i) {
-                mass += weight[i];
-                if (mass >= target) {
-                    q = i + 1;
-                    break;
-                }
-            }
+            // Top-p over S: its mass, then the walk in sorted order.
+            const double sum = warp_sum(m, [&](int i) { return weight[rank(i)]; });
+            q = min(m, warp_first_crossing(m, [&](int i) { return weight[i]; },
+                                           (double)p.top_p * sum, false, at) + 1);
         } else if (q < 0) {
             q = m;
         }
         // The kept tokens: the first q of `sorted`, drawn in id order as the CPU does.
-        double sum = 0.0;
-        for (int i = 0; i < m; ++i) {
-            const unsigned int r = by_id[i] & rank_mask;
-            if ((int)r < q) sum += weight[r];
-        }
+        const auto kept = [&](int i) {
+            const int r = rank(i);
+            return r < q ? weight[r] : 0.0;
+        };
+        const double sum = warp_sum(m, kept);
         int tok = fallback;
         if (sum > 0.0 && sum < 1.0e308) {
-            const double target = p.uniform * sum;
-            double acc = 0.0;
-            int last = -1;
-            tok = -1;
-            for (int i = 0; i < m && tok < 0; ++i) {
-                const unsigned int r = by_id[i] & rank_mask;
-                if ((int)r >= q) continue;
-                const int id = (int)(by_id[i] >> TOP_RANK_BITS);
-                acc += weight[r];
-                if (weight[r] > 0.0) last = id;
-                if (acc > target) tok = id;
+            const int i = warp_first_crossing(m, kept, p.uniform * sum, true, at);
+            int pick = i;
+            if (i == m) {  // rounding at the top: the last kept token with a weight
+                pick = -1;
+                for (int j = threadIdx.x; j < m; j += 32)
+                    if (kept(j) > 0.0) pick = j;
+                pick = __reduce_max_sync(0xffffffffu, pick);
             }
-            if (tok < 0) tok = last >= 0 ? last : fallback;  // rounding at the top
+            if (pick >= 0) tok = (int)(by_id[pick] >> TOP_RANK_BITS);
         }
-        token_s = tok;
+        if (threadIdx.x == 0) token_s = tok;
     }
     __syncthreads();
     return token_s;
@@ -949,7 +1036,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
     fast_block(row, chunk, chunks);
     // Loads first, as in fast_max: a top row converts the same vectors (chunk_floats).
     uint4 regs[FAST_PER];
-    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs);
+    const ChunkTokens<> visit = chunk_tokens(logits, vocab, row, chunk, regs);
     if (params[row].path != PATH_FAST) return;
     const SampleRow p = params[row].base;
     const bool top = is_top_row(p);
@@ -959,22 +1046,13 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
     if (top) {
         float v[FAST_ELEMS];
         const bool full = chunk_floats(visit, v);
-        // The thread's first maximum by its register index (ids rise with it; tokens past
-        // hi are -inf), or its first token where all are -inf.
-        best = NEG_INF;
-        int best_e = 0;
-#pragma unroll
-        for (int e = 0; e < FAST_ELEMS; ++e) {
-            if (v[e] > best) {
-                best = v[e];
-                best_e = e;
-            }
-        }
+        int best_e;
+        best = lane_argmax(v, best_e);
         best_id = elem_id(full, lo, best_e);
         if (best_id >= hi) best_id = NO_TOKEN;
         const long long slot =
             ((long long)row * chunks + chunk) * FAST_WARPS + (threadIdx.x >> 5);
-        warp_candidates(v, best, full, lo, slot, cand, cand_n, cand_bound);
+        warp_candidates(v, best, full, lo, visit.x, slot, cand, cand_n, cand_bound);
         block_argmax(best, best_id, NO_TOKEN);
     } else {
         block_chunk_argmax(visit, best, best_id);
@@ -1000,8 +1078,10 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
     fast_block(row, chunk, chunks);
     // Every row of a min-p batch draws here, so its chunk is loaded before the row's
     // parameters are read; a top batch's rows seldom draw (TOP_TOTAL), so they load after.
-    uint4 regs[FAST_PER];
-    const ChunkTokens visit = chunk_tokens(logits, vocab, row, chunk, regs, !TOP);
+    // The top batch's chunks are the top kernel's, whose candidate slots it reads.
+    constexpr int per = TOP ? FAST_PER : DRAW_PER;
+    uint4 regs[per];
+    const ChunkTokens<per> visit = chunk_tokens(logits, vocab, row, chunk, regs, !TOP);
     const SampleRow p = params[row].base;
     if (params[row].path != PATH_FAST || p.temperature < 1e-5f) return;
     const float max_y = row_max[row];
@@ -1046,8 +1126,8 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
         }
     }
 
-    draw_row<false>(row, chunks, vocab, x, p, max_y, row_fallback[row], nullptr, part_mass,
-                    part_last, tab, out_tokens);
+    draw_row<false>(row, chunks, per * FAST_VEC * FAST_THREADS, vocab, x, p, max_y,
+                    row_fallback[row], nullptr, part_mass, part_last, tab, out_tokens);
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_THREADS)

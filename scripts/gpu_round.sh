@@ -380,18 +380,26 @@ prefill_bench() {
 }
 
 # The sampling benchmarks (cuda_bench, 256 rows of Qwen's vocabulary, the whole call),
-# then each case under ncu: GPU time per kernel over its 27 calls.
+# then each case under ncu: GPU time per kernel over its 27 calls; then the top kernel's
+# stall samples by SASS instruction.
 sampling_bench() {
     local t=sampling_kernels case
     "$G/cuda_bench" $t --ignored --nocapture
     for case in "greedy" "temperature 0.6" "temperature 0.6 min-p 0.05" "t 0.6 top-k 20 top-p 0.95" \
-        "t 0.6 top-p 0.9 (peaked)" "t 0.6 top-k 20 top-p 0.95 (peaked)"; do
+        "t 0.6 top-p 0.9 (peaked)" "t 0.6 top-k 20 top-p 0.95 (peaked)" \
+        "t 0.6 top-k 20 top-p 0.95 (normal)"; do
         VLLM_BENCH_CASE="$case" timeout -k 5 "${BENCH_TIMEOUT:-120}" "$CUDA_HOME/bin/ncu" \
             --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
             "$G/cuda_bench" $t --ignored --nocapture >"$LOG/ncu-sampling.csv" 2>&1
         echo "BENCH ncu (rc=$?) '$case', 27 calls:"
         python3 scripts/ncu_sum.py "$LOG/ncu-sampling.csv" | head -8 | sed 's/^/BENCH /'
     done
+    # Where the top kernel's warps wait, by SASS instruction (scripts/ncu_sass.py).
+    VLLM_BENCH_CASE="t 0.6 top-k 20 top-p 0.95 (normal)" timeout -k 5 "${BENCH_TIMEOUT:-120}" \
+        "$CUDA_HOME/bin/ncu" --set full --import-source no --kernel-name sample_fast_top \
+        --launch-skip 3 --launch-count 1 --page source --print-source sass --csv \
+        "$G/cuda_bench" $t --ignored --nocapture >"$LOG/ncu-sampling-sass.csv" 2>&1
+    python3 scripts/ncu_sass.py "$LOG/ncu-sampling-sass.csv" 500 8
 }
 
 ENGINE_ARGS=${ENGINE_ARGS:-}

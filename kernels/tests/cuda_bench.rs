@@ -178,9 +178,6 @@ fn attention(dev: &CudaDevice, ops: &CudaOps) {
     }
 }
 
-/// One decode-only attention shape for `decode_attention`: `copies` caches of `seqs`
-/// sequences of `keys` keys each (blocks spread over the cache), so that the calls of a
-/// small shape cycle through more bytes than the 50 MB L2 holds.
 /// The step inputs an `AttentionPlan` reads, on the device.
 struct PlanInputs {
     seq_lens: CudaSlice<i32>,
@@ -191,6 +188,9 @@ struct PlanInputs {
     decode_partition: CudaSlice<i32>,
 }
 
+/// One decode-only attention shape for `decode_attention`: `copies` caches of `seqs`
+/// sequences of `keys` keys each (blocks spread over the cache), so that the calls of a
+/// small shape cycle through more bytes than the 50 MB L2 holds.
 struct DecodeShape {
     seqs: usize,
     keys: usize,

@@ -1016,8 +1016,8 @@ __device__ __forceinline__ int top_merge(int row, int chunks, int vocab, const S
 
 // Thread 0 records a merge's outcome: the token, or the row handed to sample_tokens_ex
 // (launched after the fast path); TOP_TOTAL leaves max_y for sample_fast_draw_top.
-__device__ __forceinline__ void top_finish(int row, int outcome, SampleRowEx* params, float* row_max,
-                           int* out_tokens) {
+__device__ __forceinline__ void top_finish(int row, int outcome, SampleRowEx* params,
+                                           float* row_max, int* out_tokens) {
     if (threadIdx.x != 0) return;
     if (outcome >= 0) out_tokens[row] = outcome;
     if (outcome == TOP_GENERAL) params[row].path = 0;

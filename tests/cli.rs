@@ -111,11 +111,11 @@ fn load_format_dummy_needs_only_config_and_tokenizer() {
 #[test]
 fn compile_kernels_without_nvrtc_or_with_a_bad_arch_is_a_clear_error() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let run = |args: &[&str]| {
+    let run_in = |cache_dir: &std::path::Path, args: &[&str]| {
         let out = Command::new(exe())
             .arg("compile-kernels")
             .arg("--cache-dir")
-            .arg(dir.path())
+            .arg(cache_dir)
             .args(args)
             .env("CUDA_HOME", "/nonexistent")
             .env("LD_LIBRARY_PATH", "")
@@ -126,6 +126,7 @@ fn compile_kernels_without_nvrtc_or_with_a_bad_arch_is_a_clear_error() {
         assert!(!stderr.contains("panicked"), "{stderr}");
         stderr
     };
+    let run = |args: &[&str]| run_in(dir.path(), args);
     assert!(run(&["--arch", "90"]).contains("--arch 90: expected sm_"));
     assert!(run(&["--dtype", "auto"]).contains("--dtype auto"));
     assert!(run(&["--dtype", "int8"]).contains("--dtype int8"));
@@ -141,4 +142,10 @@ fn compile_kernels_without_nvrtc_or_with_a_bad_arch_is_a_clear_error() {
             "{stderr}"
         );
     }
+    // A cache folder that cannot be made fails before any compile, rather than reporting
+    // a path with no file.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a folder").expect("write");
+    let stderr = run_in(&file, &["--dtype", "float32"]);
+    assert!(stderr.contains("cannot write the kernel cache"), "{stderr}");
 }

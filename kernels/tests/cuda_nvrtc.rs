@@ -1,5 +1,6 @@
 //! The CUDA sources compile with NVRTC for Hopper in every dtype, into a kernel cache that
-//! gives the same CUBIN back on the next call. Needs only libnvrtc (no
+//! gives the same CUBIN back on the next call (and a cache that cannot be written is
+//! reported). Needs only libnvrtc (no
 //! GPU), so it also runs on a build machine that has NVRTC; without it, it says SKIPPED.
 
 use vllm_kernels::cuda::{libs, module, DType};
@@ -29,6 +30,11 @@ fn kernels_compile_for_sm90_in_every_dtype() {
             Err(e) => panic!("{dtype:?}: {e:#}"),
         };
         assert_eq!(cubin.source, module::BuildSource::Compiled, "{dtype:?}");
+        assert!(
+            cubin.store_error.is_none(),
+            "{dtype:?}: {:?}",
+            cubin.store_error
+        );
         assert!(cubin.bytes.len() > 1000, "{dtype:?}: tiny cubin");
         // Every name the loader will look up, from the loader's own list.
         module::Functions::lookup(dtype, |name| {
@@ -51,4 +57,11 @@ fn kernels_compile_for_sm90_in_every_dtype() {
             "{dtype:?}"
         );
     }
+    // A compile that cannot be stored still gives its CUBIN, and says why it is not in the
+    // cache: `vllm-rs compile-kernels` fails on that, a server logs it.
+    let file = cache.path().join("a-file");
+    std::fs::write(&file, b"not a folder").expect("write");
+    let cubin = module::cubin_in(&file, "sm_90", DType::F32).unwrap();
+    assert_eq!(cubin.source, module::BuildSource::Compiled);
+    assert!(cubin.store_error.is_some(), "stored under a file");
 }

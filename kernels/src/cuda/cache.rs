@@ -43,19 +43,15 @@ pub fn load(path: &Path) -> Option<Vec<u8>> {
     std::fs::read(path).ok().filter(|b| !b.is_empty())
 }
 
-/// Best effort: a failure is logged, never fatal.
-pub fn store(path: &Path, bytes: &[u8]) {
-    let write = || -> std::io::Result<()> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, bytes)?;
-        std::fs::rename(&tmp, path)
-    };
-    if let Err(e) = write() {
-        tracing::warn!(path = %path.display(), "cannot write the kernel cache: {e}");
+/// Writes an entry (and its folder). The caller decides what a failure costs: a server
+/// only logs it, `vllm-rs compile-kernels` fails, since filling the cache is its job.
+pub fn store(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
     }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
 }
 
 #[cfg(test)]
@@ -72,8 +68,18 @@ mod tests {
     fn store_then_load_round_trips() {
         let dir = std::env::temp_dir().join(format!("vllm-rs-cache-test-{}", std::process::id()));
         let path = entry_path(&dir, "t", 42);
-        store(&path, b"cubin");
+        store(&path, b"cubin").expect("store");
         assert_eq!(load(&path).as_deref(), Some(&b"cubin"[..]));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn store_under_a_file_is_an_error() {
+        let file = std::env::temp_dir().join(format!("vllm-rs-cache-file-{}", std::process::id()));
+        std::fs::write(&file, b"not a folder").expect("write");
+        let path = entry_path(&file, "t", 42);
+        assert!(store(&path, b"cubin").is_err());
+        assert_eq!(load(&path), None);
+        let _ = std::fs::remove_file(&file);
     }
 }

@@ -35,7 +35,9 @@ pub fn load(path: &Path) -> BTreeMap<Mkn, Choice> {
 
 /// Best effort, like the kernel cache: a failure is logged, never fatal.
 pub fn store(path: &Path, choices: &BTreeMap<Mkn, Choice>) {
-    cache::store(path, format(choices).as_bytes());
+    if let Err(e) = cache::store(path, format(choices).as_bytes()) {
+        tracing::warn!(path = %path.display(), "cannot write the GEMM choices: {e}");
+    }
 }
 
 fn parse(text: &str) -> BTreeMap<Mkn, Choice> {

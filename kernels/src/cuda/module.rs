@@ -137,6 +137,8 @@ pub struct Cubin {
     pub bytes: Vec<u8>,
     pub source: BuildSource,
     pub path: PathBuf,
+    /// Why a fresh compile is not in the cache (None: it was stored, or read from it).
+    pub store_error: Option<std::io::Error>,
 }
 
 /// The CUBIN of `dtype` for `arch`, from the kernel cache (`cache::cache_dir`) or freshly
@@ -161,6 +163,7 @@ pub fn cubin_in(dir: &Path, arch: &str, dtype: DType) -> Result<Cubin> {
             bytes,
             source: BuildSource::Cache,
             path,
+            store_error: None,
         });
     }
     let started = Instant::now();
@@ -172,17 +175,27 @@ pub fn cubin_in(dir: &Path, arch: &str, dtype: DType) -> Result<Cubin> {
         cache = %path.display(),
         "compiled CUDA kernels with NVRTC"
     );
-    cache::store(&path, &bytes);
+    let store_error = cache::store(&path, &bytes).err();
     Ok(Cubin {
         bytes,
         source: BuildSource::Compiled,
         path,
+        store_error,
     })
 }
 
 /// Loads the module of `dtype` on `dev` and looks up every kernel.
 pub fn load(dev: &CudaDevice, dtype: DType) -> Result<(Arc<CudaModule>, Functions, BuildSource)> {
-    let Cubin { bytes, source, .. } = cubin(&dev.arch(), dtype)?;
+    let Cubin {
+        bytes,
+        source,
+        path,
+        store_error,
+    } = cubin(&dev.arch(), dtype)?;
+    if let Some(e) = store_error {
+        // Only the next start pays: it compiles again.
+        tracing::warn!(path = %path.display(), "cannot write the kernel cache: {e}");
+    }
     let module = dev
         .ctx
         .load_module(Ptx::from_binary(bytes))

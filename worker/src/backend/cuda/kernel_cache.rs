@@ -6,11 +6,12 @@
 
 use std::path::Path;
 
-use anyhow::{ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
 use vllm_kernels::cuda::{cache, libs, module, DType};
 
 /// Compiles (or finds) the kernels of each of `dtypes` (`--dtype` names) for `arch` in
 /// `dir` (None: where a server looks); one line per dtype says what was done and where.
+/// A compile that cannot be stored is an error: the cache is what this command is for.
 pub fn compile_kernels(arch: &str, dtypes: &[String], dir: Option<&Path>) -> Result<Vec<String>> {
     let dtypes = dtypes
         .iter()
@@ -20,11 +21,20 @@ pub fn compile_kernels(arch: &str, dtypes: &[String], dir: Option<&Path>) -> Res
         })
         .collect::<Result<Vec<_>>>()?;
     let dir = dir.map_or_else(cache::cache_dir, Path::to_path_buf);
+    // Before the compiles, so that a folder that cannot be made fails at once.
+    std::fs::create_dir_all(&dir)
+        .with_context(|| format!("cannot write the kernel cache {}", dir.display()))?;
     libs::check_nvrtc()?;
     dtypes
         .into_iter()
         .map(|dtype| {
             let cubin = module::cubin_in(&dir, arch, dtype)?;
+            if let Some(e) = cubin.store_error {
+                bail!(
+                    "cannot write the kernel cache {}: {e}",
+                    cubin.path.display()
+                );
+            }
             Ok(format!(
                 "{arch} {}: {:?}, {} bytes, {}",
                 dtype.name(),

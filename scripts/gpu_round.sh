@@ -391,7 +391,7 @@ sampling_bench() {
         VLLM_BENCH_CASE="$case" timeout -k 5 "${BENCH_TIMEOUT:-120}" "$CUDA_HOME/bin/ncu" \
             --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv \
             "$G/cuda_bench" $t --ignored --nocapture >"$LOG/ncu-sampling.csv" 2>&1
-        echo "BENCH ncu (rc=$?) '$case', 27 calls:"
+        echo "BENCH ncu (rc=$?) '$case' (every call of the case, both ways of timing it):"
         python3 scripts/ncu_sum.py "$LOG/ncu-sampling.csv" | head -8 | sed 's/^/BENCH /'
     done
     # Where the top kernel's warps wait, by SASS instruction (scripts/ncu_sass.py).

@@ -506,6 +506,15 @@ fn sampling(dev: &CudaDevice, ops: &CudaOps) {
             ops.sample_tokens_ex(x, VOCAB, &batch, false).unwrap();
         });
         report(&format!("sample_tokens_ex {name} {SEQS}x{VOCAB}"), s, bytes);
+        // As the worker's overlapped steps sample: nothing waits for the tokens, so the
+        // calls queue back to back and this is the GPU's time a call (the rows' copy in,
+        // the launches with their dependent-launch overlap, the tokens' copy out).
+        let mut out = dev.stream.alloc_zeros::<i32>(SEQS).unwrap();
+        let s = time(dev, 50, || {
+            ops.sample_tokens_on_device(x, VOCAB, &batch, &mut out)
+                .unwrap();
+        });
+        report(&format!("sample_tokens_on_device {name}"), s, bytes);
         println!(
             "BENCH sampling   {name}: {} of {SEQS} rows handed to the general kernel",
             back.handed_back

@@ -897,13 +897,27 @@ fn greedy_sampling_is_the_first_argmax() {
     for dtype in DTYPES {
         let c = Ctx::new(&g, dtype);
         let mut r = Lcg(9);
-        let (rows, vocab) = (5, 151_936);
+        let (rows, vocab) = (8, 151_936);
         let mut x = c.round(&r.vec(rows * vocab, 4.0));
         // Row 1: a tie for the maximum (the lower id wins); row 2: NaN and +inf.
         x[vocab + 7] = 100.0;
         x[vocab + 9000] = 100.0;
         x[2 * vocab + 5] = f32::NAN;
         x[2 * vocab + 77] = f32::INFINITY;
+        // Row 3: a tie across chunks (8,192 tokens a block), met last-chunk first.
+        for t in [150_000, 40_000, 20_000] {
+            x[3 * vocab + t] = 100.0;
+        }
+        // Row 4: -0 and +0 tie as floats compare, across chunks: the first wins.
+        x[4 * vocab..5 * vocab].fill(-1.0);
+        x[4 * vocab + 30_000] = -0.0;
+        x[4 * vocab + 100_000] = 0.0;
+        // Rows 5 and 6: nothing finite (all -inf; all NaN): token 0.
+        x[5 * vocab..6 * vocab].fill(f32::NEG_INFINITY);
+        x[6 * vocab..7 * vocab].fill(f32::NAN);
+        // Row 7: -inf but for one finite logit in the last chunk.
+        x[7 * vocab..8 * vocab].fill(f32::NEG_INFINITY);
+        x[7 * vocab + 151_000] = -3.0;
         // Plain greedy rows: no logits-processor entries, no logprobs.
         let params = vec![SampleRowEx::plain(Default::default()); rows];
         let batch = SamplingBatch::plain(&params);

@@ -31,10 +31,11 @@ pub const ENTRY_MASK: i32 = 2;
 
 /// [`SampleRowEx::path`]: the row is sampled by sampling_fast.cu (`PATH_FAST` there).
 pub const PATH_FAST: i32 = 1;
-/// Tokens of one block of the fast path (`FAST_CHUNK` in sampling_fast.cu), and of one
-/// block of `sample_fast_draw` (`DRAW_CHUNK`).
+/// Tokens of one block of the fast path (`FAST_CHUNK` in sampling_fast.cu), of one block
+/// of `sample_fast_draw` (`DRAW_CHUNK`) and of one of `sample_fast_max` (`MAX_CHUNK`).
 const FAST_CHUNK: usize = 16384;
 const DRAW_CHUNK: usize = 8192;
+const MAX_CHUNK: usize = 8192;
 /// Threads of one block of the fast path (`FAST_THREADS` in sampling_fast.cu).
 const FAST_THREADS: u32 = 256;
 /// Candidate slots of one chunk of a top-k / top-p row: `FAST_WARPS` × `TOP_WCAP` in
@@ -288,6 +289,9 @@ struct ScratchBuffers {
     /// Per-row arrival counters: zero when allocated, and each launch's last block of a
     /// row puts its back to zero.
     counters: CudaSlice<u32>,
+    /// Per-row argmax keys of `sample_fast_max`: zero when allocated, and put back to zero
+    /// by `sample_fast_max_finish` after it reads them.
+    row_key: CudaSlice<u64>,
     row_max: CudaSlice<f32>,
     row_fallback: CudaSlice<i32>,
     /// What `sample_tokens_ex` is given for a batch without entries or logprobs (one
@@ -333,6 +337,7 @@ impl ScratchBuffers {
             cand_n: unsafe { ops.stream.alloc(slots) }.map_err(err)?,
             cand_bound: unsafe { ops.stream.alloc(slots) }.map_err(err)?,
             counters: ops.stream.alloc_zeros(rows).map_err(err)?,
+            row_key: ops.stream.alloc_zeros(rows).map_err(err)?,
             row_max: alloc(rows)?,
             row_fallback: unsafe { ops.stream.alloc(rows) }.map_err(err)?,
             no_entries: unsafe { ops.stream.alloc(1) }.map_err(err)?,
@@ -505,16 +510,17 @@ impl CudaOps {
                 &mut s.part_val, &mut s.part_id, &mut s.cand, &mut s.cand_n,
                 &mut s.cand_bound, &mut s.counters, &mut s.row_max, &mut s.row_fallback,
                 &mut s.tokens)?;
-        } else {
-            // The same arguments; the draw variant carries the exp code.
-            let func = if one_pass {
-                &self.f.sample_fast_max_draw
-            } else {
-                &self.f.sample_fast_max
-            };
-            launch!(unsafe self, func => "sample_fast_max(_draw)", cfg; logits, &vocab, &s.params,
+        } else if one_pass {
+            launch!(unsafe self, sample_fast_max_draw, cfg; logits, &vocab, &s.params,
                 &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
                 &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
+        } else {
+            let n = i32::try_from(rows)?;
+            launch!(unsafe self, sample_fast_max, grid(MAX_CHUNK); logits, &vocab, &s.params,
+                &mut s.row_key)?;
+            launch!(unsafe self, sample_fast_max_finish, rows_cfg(rows.div_ceil(128), 128);
+                &s.params, &n, &mut s.row_key, &mut s.row_max, &mut s.row_fallback,
+                &mut s.tokens)?;
         }
         if !draw {
             return Ok(());

@@ -6,13 +6,15 @@
 // scaled logits y; min-p drops weights below min_p; inverse CDF in token-id order from the host's
 // uniform, f64 accumulation; the same fallbacks at the rounding edges.
 //
-// Each launch is over (row, chunk of FAST_CHUNK tokens; DRAW_CHUNK in `sample_fast_draw`)
-// blocks; the last block of a row to finish (an atomic counter per row, reset by that
-// block for the next launch) reduces the row's chunk results, so nothing waits on another
-// block:
+// Each launch is over (row, chunk of FAST_CHUNK tokens; DRAW_CHUNK in `sample_fast_draw`,
+// MAX_CHUNK in `sample_fast_max`) blocks; the last block of a row to finish (an atomic
+// counter per row, reset by that block for the next launch) reduces the row's chunk
+// results, so nothing waits on another block:
 // 1. `sample_fast_max`: chunk argmax → the row's argmax (the greedy token, and the fallback
-//    and max_y of temperature rows). `sample_fast_max_draw`, the same for batches with
-//    plain temperature rows (no min-p, top-k or top-p), draws those too: a chunk's mass
+//    and max_y of temperature rows), merged by a 64-bit atomic max a chunk instead of a
+//    last block, and read by the next launch, `sample_fast_max_finish`.
+//    `sample_fast_max_draw`, the same with a last block, for batches with plain
+//    temperature rows (no min-p, top-k or top-p), draws those too: a chunk's mass
 //    is summed relative to the chunk's own maximum while its tokens are in registers, and
 //    the row's last block scales each by exp(m_c - max_y), finds the chunk the target
 //    u·total falls in and walks it in id order with the CPU's weights exp(y - max_y). The
@@ -31,9 +33,12 @@
 // half as many, which took 4-30 % off the max and top kernels on the H100
 // (docs/BENCHMARKS.md). `sample_fast_draw` (min-p rows) keeps 8,192: at 16,384 it ran
 // 10-22 % slower, whether it held its chunk whole or in two parts (its row's walk of the
-// chosen chunk, by one block, doubles).
+// chosen chunk, by one block, doubles). `sample_fast_max`, whose blocks have no finish to
+// wait for, is fastest at 8,192 too (32 registers: 8 blocks an SM; 28.5 µs against 28.9
+// at 16,384 and 29.4 at 4,096 for 256 rows of 151,936).
 #define FAST_CHUNK 16384
 #define DRAW_CHUNK 8192
+#define MAX_CHUNK 8192
 // Elements of one 16-byte load.
 #define FAST_VEC (16 / (int)sizeof(scalar_t))
 
@@ -76,6 +81,7 @@ __device__ __forceinline__ void fill_exp_table(double* tab) {
 // 16-byte vectors of a full chunk a thread loads.
 #define FAST_PER (FAST_CHUNK / FAST_VEC / FAST_THREADS)
 #define DRAW_PER (DRAW_CHUNK / FAST_VEC / FAST_THREADS)
+#define MAX_PER (MAX_CHUNK / FAST_VEC / FAST_THREADS)
 // Blocks an SM `sample_fast_max_draw` is compiled for: up to 64 registers, which a
 // one-pass row's eight interleaved exp chains need (ptxas's own choice, 48, spilled).
 #define FAST_MAX_BLOCKS 4
@@ -138,7 +144,8 @@ struct ChunkTokens {
 // unless a finite logit equals +inf's stand-in FLT_MAX (f32 logits only): a chunk whose
 // maximum is +inf is compared again, sanitised. A thread's first token stands for its
 // all -inf / NaN tokens, so that such a chunk gives its first token, as the CPU.
-__device__ __forceinline__ void block_chunk_argmax(const ChunkTokens<>& visit, float& best,
+template <int N>
+__device__ __forceinline__ void block_chunk_argmax(const ChunkTokens<N>& visit, float& best,
                                                    int& best_id) {
     best = NEG_INF;
     best_id = NO_TOKEN;
@@ -198,6 +205,22 @@ __device__ __forceinline__ float fast_scaled(float v, float inv_t) {
     return v == 0.f ? 0.f : v;
 }
 
+// A row whose argmax `id` (logit m) is known: where `write`, the greedy token, or the
+// draw's fallback and max_y (NEG_INF: the token is written, nothing left to draw).
+// Returns max_y.
+__device__ __forceinline__ float finish_row(int row, float m, int id, const SampleRow& p,
+                                            bool write, float* row_max, int* row_fallback,
+                                            int* out_tokens) {
+    const float max_y = p.temperature < 1e-5f ? NEG_INF : fast_scaled(m, 1.f / p.temperature);
+    if (write) {
+        row_fallback[row] = id;
+        row_max[row] = max_y;
+        // Greedy, or nothing finite: the argmax, as the CPU.
+        if (max_y == NEG_INF) out_tokens[row] = id;
+    }
+    return max_y;
+}
+
 // Warp 0 of a row's last block: the row's argmax from its chunks' partials, a lane a
 // chunk so that their loads are in flight together (ids rise with the chunk, so the warp
 // argmax's ties to the lowest id keep the row's first maximum). Lane 0 writes the greedy
@@ -218,14 +241,7 @@ __device__ float finish_row_max(int row, int chunks, const float* part_val, cons
         }
     }
     warp_argmax(m, id);
-    const float max_y = p.temperature < 1e-5f ? NEG_INF : fast_scaled(m, 1.f / p.temperature);
-    if (threadIdx.x == 0) {
-        row_fallback[row] = id;
-        row_max[row] = max_y;
-        // Greedy, or nothing finite: the argmax, as the CPU.
-        if (max_y == NEG_INF) out_tokens[row] = id;
-    }
-    return max_y;
+    return finish_row(row, m, id, p, threadIdx.x == 0, row_max, row_fallback, out_tokens);
 }
 
 // After a chunk's argmax: thread 0 records it, and in the row's last block warp 0 finishes
@@ -487,13 +503,13 @@ __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, i
     if (threadIdx.x == 0) row_max[row] = NEG_INF;  // drawn: nothing for sample_fast_draw
 }
 
-// Grid: (chunk, row). DRAW: one-pass rows are drawn (else only maxima are taken).
-template <bool DRAW>
-__device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, int vocab,
-                                         const SampleRowEx* __restrict__ params, float* part_val,
-                                         int* part_id, double* part_mass, int* part_last,
-                                         unsigned int* counters, float* row_max,
-                                         int* row_fallback, int* __restrict__ out_tokens) {
+// Grid: (chunk, row). One-pass rows are drawn; of the others only maxima are taken.
+__device__ __forceinline__ void fast_max_draw(const scalar_t* __restrict__ logits, int vocab,
+                                              const SampleRowEx* __restrict__ params,
+                                              float* part_val, int* part_id, double* part_mass,
+                                              int* part_last, unsigned int* counters,
+                                              float* row_max, int* row_fallback,
+                                              int* __restrict__ out_tokens) {
     pdl_enter();
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
@@ -505,20 +521,63 @@ __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, in
     if (params[row].path != PATH_FAST) return;
     const SampleRow p = params[row].base;
     __shared__ double tab[64];
-    const bool one_pass = DRAW && one_pass_row(p);
+    const bool one_pass = one_pass_row(p);
     if (one_pass) fill_exp_table(tab);
     fast_max_block(row, chunk, chunks, vocab, visit, one_pass, p, part_val, part_id,
                    part_mass, part_last, counters, row_max, row_fallback, tab, out_tokens);
 }
 
-// Batches without a one-pass row: no exp code, so more blocks an SM (more loads in flight).
+// Batches without a one-pass row (greedy, min-p): `sample_fast_max` posts each chunk's
+// argmax to its row's 64-bit key with one atomic max and exits, and
+// `sample_fast_max_finish`, the next launch, reads the keys. No block waits on a fence or
+// a row counter: those tails were a quarter of this kernel's stall samples when a row's
+// last block merged its chunks here.
+//
+// The key orders as the CPU's first argmax: the logit's bits mapped to an unsigned order
+// above, the id's complement below (ties to the lowest id). A chunk's maximum is never
+// NaN (block_chunk_argmax), and -0 is keyed as +0, which a float compare ties with it.
+// 0, below every key, is the empty key the finish leaves behind for the next launch.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
+    const unsigned int b = __float_as_uint(v == 0.f ? 0.f : v);
+    const unsigned int ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)ord << 32) | (0xffffffffu - (unsigned int)id);
+}
+
+__device__ __forceinline__ void key_argmax(unsigned long long k, float& v, int& id) {
+    const unsigned int ord = (unsigned int)(k >> 32);
+    v = __uint_as_float((ord & 0x80000000u) ? (ord & 0x7fffffffu) : ~ord);
+    id = (int)(0xffffffffu - (unsigned int)k);
+}
+
+// Grid: (chunk, row).
 extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
-                    const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
-                    double* part_mass, int* part_last, unsigned int* counters, float* row_max,
-                    int* row_fallback, int* __restrict__ out_tokens) {
-    fast_max<false>(logits, vocab, params, part_val, part_id, part_mass, part_last, counters,
-                    row_max, row_fallback, out_tokens);
+                    const SampleRowEx* __restrict__ params, unsigned long long* row_key) {
+    pdl_enter();
+    int row, chunk, chunks;
+    fast_block(row, chunk, chunks);
+    uint4 regs[MAX_PER];
+    const ChunkTokens<MAX_PER> visit = chunk_tokens<MAX_PER>(logits, vocab, row, chunk, regs);
+    if (params[row].path != PATH_FAST) return;
+    float best;
+    int best_id;
+    block_chunk_argmax(visit, best, best_id);
+    if (threadIdx.x == 0) atomicMax(row_key + row, argmax_key(best, best_id));
+}
+
+// A thread a row: the row's argmax from its key (`finish_row`), and the key back to 0.
+extern "C" __global__ void sample_fast_max_finish(const SampleRowEx* __restrict__ params,
+                                                  int rows, unsigned long long* row_key,
+                                                  float* row_max, int* row_fallback,
+                                                  int* __restrict__ out_tokens) {
+    pdl_enter();
+    const int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= rows || params[row].path != PATH_FAST) return;
+    float m;
+    int id;
+    key_argmax(row_key[row], m, id);
+    row_key[row] = 0ull;
+    finish_row(row, m, id, params[row].base, true, row_max, row_fallback, out_tokens);
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
@@ -526,8 +585,8 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
                          const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
                          double* part_mass, int* part_last, unsigned int* counters,
                          float* row_max, int* row_fallback, int* __restrict__ out_tokens) {
-    fast_max<true>(logits, vocab, params, part_val, part_id, part_mass, part_last, counters,
-                   row_max, row_fallback, out_tokens);
+    fast_max_draw(logits, vocab, params, part_val, part_id, part_mass, part_last, counters,
+                  row_max, row_fallback, out_tokens);
 }
 
 // ---- Top-k / top-p rows (`is_top_row`): candidates, then an exact merge per row. ----

@@ -555,17 +555,20 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
             let t = b.upload(&HostTensor::new(vec![n, vocab], logits)).unwrap();
             let host = b.to_host(&t).unwrap().data;
             // With top-p rows the batch takes the top kernels (plain temperature rows drawn
-            // in their second launch); without, `sample_fast_max` draws the plain
-            // temperature rows in its one pass and `sample_fast_draw` the min-p rows.
-            for top_batch in [true, false] {
+            // in their second launch); with plain temperature rows, `sample_fast_max_draw`
+            // draws those in its one pass and `sample_fast_draw` the min-p rows; with
+            // neither, `sample_fast_max` and its finish take the maxima.
+            for batch in ["top", "one-pass", "max"] {
+                let top_batch = batch == "top";
                 let params: Vec<SamplingParams> = (0..n)
                     .map(|r| {
                         let (temperature, min_p, top_p) = match r % 6 {
                             0 => (0.0, 0.0, 1.0),
-                            1 => (0.6, 0.0, 1.0),
                             2 => (1.0, 0.05, 1.0),
-                            3 => (1.7, 0.0, 1.0),
                             4 => (0.3, 0.2, 1.0),
+                            _ if batch == "max" => (0.0, 0.0, 1.0),
+                            1 => (0.6, 0.0, 1.0),
+                            3 => (1.7, 0.0, 1.0),
                             _ if top_batch => (0.8, 0.0, 0.9), // top-p: mostly handed back
                             _ => (1.1, 0.0, 1.0),
                         };
@@ -586,8 +589,7 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
                         agree += 1;
                     } else {
                         println!(
-                            "SAMPLER-FAST {} vocab {vocab} top batch {top_batch} row {r}: gpu {} \
-                             cpu {}",
+                            "SAMPLER-FAST {} vocab {vocab} {batch} batch row {r}: gpu {} cpu {}",
                             dtype.name(),
                             g.0,
                             c.0

@@ -290,7 +290,7 @@ struct ScratchBuffers {
     /// row puts its back to zero.
     counters: CudaSlice<u32>,
     /// Per-row argmax keys of `sample_fast_max`: zero when allocated, and put back to zero
-    /// by `sample_fast_max_finish` after it reads them.
+    /// by the row's last block after it reads its key.
     row_key: CudaSlice<u64>,
     row_max: CudaSlice<f32>,
     row_fallback: CudaSlice<i32>,
@@ -515,11 +515,8 @@ impl CudaOps {
                 &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
                 &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
         } else {
-            let n = i32::try_from(rows)?;
             launch!(unsafe self, sample_fast_max, grid(MAX_CHUNK); logits, &vocab, &s.params,
-                &mut s.row_key)?;
-            launch!(unsafe self, sample_fast_max_finish, rows_cfg(rows.div_ceil(128), 128);
-                &s.params, &n, &mut s.row_key, &mut s.row_max, &mut s.row_fallback,
+                &mut s.row_key, &mut s.counters, &mut s.row_max, &mut s.row_fallback,
                 &mut s.tokens)?;
         }
         if !draw {

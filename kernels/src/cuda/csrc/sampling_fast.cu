@@ -11,15 +11,14 @@
 // counter per row, reset by that block for the next launch) reduces the row's chunk
 // results, so nothing waits on another block:
 // 1. `sample_fast_max`: chunk argmax → the row's argmax (the greedy token, and the fallback
-//    and max_y of temperature rows), merged by a 64-bit atomic max a chunk instead of a
-//    last block, and read by the next launch, `sample_fast_max_finish`.
-//    `sample_fast_max_draw`, the same with a last block, for batches with plain
-//    temperature rows (no min-p, top-k or top-p), draws those too: a chunk's mass
-//    is summed relative to the chunk's own maximum while its tokens are in registers, and
-//    the row's last block scales each by exp(m_c - max_y), finds the chunk the target
-//    u·total falls in and walks it in id order with the CPU's weights exp(y - max_y). The
-//    weights are exact differences in f64, so the factored masses are the CPU's up to f64
-//    rounding, like any sum order.
+//    and max_y of temperature rows), the chunks' maxima merged by a 64-bit atomic max
+//    and the row's last block reading the result. `sample_fast_max_draw`, the same with
+//    partials for batches with plain temperature rows (no min-p, top-k or top-p), draws
+//    those too: a chunk's mass is summed relative to the chunk's own maximum while its
+//    tokens are in registers, and the row's last block scales each by exp(m_c - max_y),
+//    finds the chunk the target u·total falls in and walks it in id order with the CPU's
+//    weights exp(y - max_y). The weights are exact differences in f64, so the factored
+//    masses are the CPU's up to f64 rounding, like any sum order.
 // 2. `sample_fast_draw` (min-p rows, which need max_y before any weight): chunk mass of
 //    the kept tokens → the same search and walk.
 // Batches with top-k / top-p rows use `sample_fast_top` and `sample_fast_draw_top`
@@ -33,9 +32,8 @@
 // half as many, which took 4-30 % off the max and top kernels on the H100
 // (docs/BENCHMARKS.md). `sample_fast_draw` (min-p rows) keeps 8,192: at 16,384 it ran
 // 10-22 % slower, whether it held its chunk whole or in two parts (its row's walk of the
-// chosen chunk, by one block, doubles). `sample_fast_max`, whose blocks have no finish to
-// wait for, is fastest at 8,192 too (32 registers: 8 blocks an SM; 28.5 µs against 28.9
-// at 16,384 and 29.4 at 4,096 for 256 rows of 151,936).
+// chosen chunk, by one block, doubles). `sample_fast_max`, whose blocks have no tail but
+// thread 0's, is fastest at 8,192 too (32 registers: 8 blocks an SM; docs/BENCHMARKS.md).
 #define FAST_CHUNK 16384
 #define DRAW_CHUNK 8192
 #define MAX_CHUNK 8192
@@ -527,16 +525,17 @@ __device__ __forceinline__ void fast_max_draw(const scalar_t* __restrict__ logit
                    part_mass, part_last, counters, row_max, row_fallback, tab, out_tokens);
 }
 
-// Batches without a one-pass row (greedy, min-p): `sample_fast_max` posts each chunk's
-// argmax to its row's 64-bit key with one atomic max and exits, and
-// `sample_fast_max_finish`, the next launch, reads the keys. No block waits on a fence or
-// a row counter: those tails were a quarter of this kernel's stall samples when a row's
-// last block merged its chunks here.
+// Batches without a one-pass row (greedy, min-p): in `sample_fast_max` a block's thread 0
+// posts its chunk's argmax to the row's 64-bit key with one atomic max and counts in, while
+// the rest of the block exits; in the row's last block thread 0 reads and clears the key
+// and finishes the row. With no barrier or all-thread fence in a block's tail (a quarter of
+// this kernel's stall samples when every block stored partials, fenced and counted in), the
+// chunk is 8,192 tokens, 8 blocks an SM.
 //
 // The key orders as the CPU's first argmax: the logit's bits mapped to an unsigned order
 // above, the id's complement below (ties to the lowest id). A chunk's maximum is never
 // NaN (block_chunk_argmax), and -0 is keyed as +0, which a float compare ties with it.
-// 0, below every key, is the empty key the finish leaves behind for the next launch.
+// 0, below every key, is the empty key a row's last block leaves for the next launch.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
     const unsigned int b = __float_as_uint(v == 0.f ? 0.f : v);
     const unsigned int ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
@@ -552,7 +551,9 @@ __device__ __forceinline__ void key_argmax(unsigned long long k, float& v, int& 
 // Grid: (chunk, row).
 extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
-                    const SampleRowEx* __restrict__ params, unsigned long long* row_key) {
+                    const SampleRowEx* __restrict__ params, unsigned long long* row_key,
+                    unsigned int* counters, float* row_max, int* row_fallback,
+                    int* __restrict__ out_tokens) {
     pdl_enter();
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
@@ -562,21 +563,16 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     float best;
     int best_id;
     block_chunk_argmax(visit, best, best_id);
-    if (threadIdx.x == 0) atomicMax(row_key + row, argmax_key(best, best_id));
-}
-
-// A thread a row: the row's argmax from its key (`finish_row`), and the key back to 0.
-extern "C" __global__ void sample_fast_max_finish(const SampleRowEx* __restrict__ params,
-                                                  int rows, unsigned long long* row_key,
-                                                  float* row_max, int* row_fallback,
-                                                  int* __restrict__ out_tokens) {
-    pdl_enter();
-    const int row = blockIdx.x * blockDim.x + threadIdx.x;
-    if (row >= rows || params[row].path != PATH_FAST) return;
+    if (threadIdx.x != 0) return;
+    atomicMax(row_key + row, argmax_key(best, best_id));
+    // The key's update is visible before the count that lets the last block read it.
+    __threadfence();
+    if (atomicAdd(counters + row, 1u) != (unsigned int)chunks - 1) return;
+    counters[row] = 0;
+    __threadfence();
     float m;
     int id;
-    key_argmax(row_key[row], m, id);
-    row_key[row] = 0ull;
+    key_argmax(atomicExch(row_key + row, 0ull), m, id);
     finish_row(row, m, id, params[row].base, true, row_max, row_fallback, out_tokens);
 }
 

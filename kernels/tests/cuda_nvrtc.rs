@@ -1,7 +1,7 @@
 //! The CUDA sources compile with NVRTC for Hopper in every dtype, into a kernel cache that
 //! gives the same CUBIN back on the next call (and a cache that cannot be written is
-//! reported). Needs only libnvrtc (no
-//! GPU), so it also runs on a build machine that has NVRTC; without it, it says SKIPPED.
+//! reported). Needs only libnvrtc (no GPU), so it also runs on a build machine that has
+//! NVRTC; without it, it says SKIPPED.
 
 use vllm_kernels::cuda::{libs, module, DType};
 

@@ -380,8 +380,8 @@ prefill_bench() {
 }
 
 # The sampling benchmarks (cuda_bench, 256 rows of Qwen's vocabulary, the whole call),
-# then each case under ncu: GPU time per kernel over its 27 calls; then the top kernel's
-# stall samples by SASS instruction.
+# then each case under ncu: GPU time per kernel over every call of the case; then the top
+# kernel's stall samples by SASS instruction.
 sampling_bench() {
     local t=sampling_kernels case
     "$G/cuda_bench" $t --ignored --nocapture

@@ -183,16 +183,22 @@ __device__ __forceinline__ ChunkTokens<N> chunk_tokens(const scalar_t* __restric
     return ChunkTokens<N>{raw, x, lo, hi, vec};
 }
 
+// One thread counts its block in to the row's `counter`: true for the row's last block,
+// which puts the counter back at 0 for the next launch. The caller fences its writes
+// before, and the last block its reads after.
+__device__ __forceinline__ bool counts_in_last(unsigned int* counter, int chunks) {
+    const bool last = atomicAdd(counter, 1u) == (unsigned int)chunks - 1;
+    if (last) *counter = 0;
+    return last;
+}
+
 // True in every thread of the block that finishes its row last. Thread 0's earlier global
 // writes are visible to that block; `counter` is back at 0 for the next launch.
 __device__ bool last_block_of_row(unsigned int* counter, int chunks) {
     __shared__ bool last;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(counter, 1u) == (unsigned int)chunks - 1;
-        if (last) *counter = 0;
-    }
+    if (threadIdx.x == 0) last = counts_in_last(counter, chunks);
     __syncthreads();
     if (last) __threadfence();
     return last;
@@ -567,8 +573,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     atomicMax(row_key + row, argmax_key(best, best_id));
     // The key's update is visible before the count that lets the last block read it.
     __threadfence();
-    if (atomicAdd(counters + row, 1u) != (unsigned int)chunks - 1) return;
-    counters[row] = 0;
+    if (!counts_in_last(counters + row, chunks)) return;
     __threadfence();
     float m;
     int id;

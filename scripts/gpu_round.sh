@@ -5,6 +5,7 @@
 #                                     parity32 bench offline-bench profile latency-8b
 #                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
+#                                     gemm-bench (decode GEMMs at batch 1-32: thin_gemm against cuBLAS and gemv)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
 #                                     batch-bench (decode steps at batch 256, then ncu per kernel)
@@ -423,6 +424,7 @@ for s in $STAGES; do
     prefill-bench) stage prefill-bench prefill_bench ;;
     sampling-bench) stage sampling-bench sampling_bench ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
+    gemm-bench) stage gemm-bench "$G/cuda_bench" decode_gemms --ignored --nocapture ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;
     latency-8b) stage latency-8b latency_8b ;;

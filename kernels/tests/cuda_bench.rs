@@ -591,6 +591,30 @@ fn gemms(dev: &CudaDevice) {
 /// A GEMM of a model: (name, k, n).
 type GemmShape = (&'static str, usize, usize);
 
+/// The layer GEMMs and LM head of Qwen3-0.6B and Qwen3-8B.
+const MODEL_GEMMS: [(&str, [GemmShape; 5]); 2] = [
+    (
+        "0.6B",
+        [
+            ("qkv_proj", 1024, 4096),
+            ("o_proj", 2048, 1024),
+            ("gate_up_proj", 1024, 6144),
+            ("down_proj", 3072, 1024),
+            ("lm_head", 1024, VOCAB),
+        ],
+    ),
+    (
+        "8B",
+        [
+            ("qkv_proj", 4096, 6144),
+            ("o_proj", 4096, 4096),
+            ("gate_up_proj", 4096, 24576),
+            ("down_proj", 12288, 4096),
+            ("lm_head", 4096, VOCAB),
+        ],
+    ),
+];
+
 /// Decode GEMMs at batch 1–8, cuBLAS against the thin-GEMM kernel (both rows-per-warp
 /// variants and the one `gemv` picks), for the layer shapes of Qwen3-0.6B and Qwen3-8B.
 /// Each call reads a different copy of the weights, 256 MB in all, so the 50 MB L2 holds
@@ -604,29 +628,7 @@ fn thin_gemms() {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
-    let models: [(&str, [GemmShape; 5]); 2] = [
-        (
-            "0.6B",
-            [
-                ("qkv_proj", 1024, 4096),
-                ("o_proj", 2048, 1024),
-                ("gate_up_proj", 1024, 6144),
-                ("down_proj", 3072, 1024),
-                ("lm_head", 1024, VOCAB),
-            ],
-        ),
-        (
-            "8B",
-            [
-                ("qkv_proj", 4096, 6144),
-                ("o_proj", 4096, 4096),
-                ("gate_up_proj", 4096, 24576),
-                ("down_proj", 12288, 4096),
-                ("lm_head", 4096, VOCAB),
-            ],
-        ),
-    ];
-    for (model, shapes) in models {
+    for (model, shapes) in MODEL_GEMMS {
         for m in [1, 2, 4, 8] {
             let (mut layer_blas, mut layer_gemv, mut layer_bytes) = (0.0, 0.0, 0.0);
             for (name, k, n) in shapes {
@@ -880,4 +882,106 @@ fn dual_batch_overlap() {
             (0..LAYERS).for_each(|l| a.layer(&ops, &gemm, &weights, l))
         }),
     );
+}
+
+/// Decode GEMMs at batch 1–32 (Hopper): cuBLAS (after tuning, as the model's graphs run
+/// it; gemv at one row) against our warpgroup kernel (`thin_gemm`) at its planned splits,
+/// half and twice as many, and the gate/up product with SiLU-and-mul fused against cuBLAS
+/// followed by `silu_and_mul`; then each model's four layer GEMMs summed. Weights rotate
+/// through 256 MB of copies, so the figures are HBM figures, timed inside a CUDA graph.
+///
+///   cuda_bench decode_gemms --ignored --nocapture    (scripts/gpu_round.sh gemm-bench)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh gemm-bench runs it"]
+fn decode_gemms() {
+    use vllm_kernels::cuda::thin_gemm::ThinGemmPlan;
+    let Some(dev) = common::device() else { return };
+    if dev.arch() != "sm_90a" {
+        eprintln!(
+            "SKIPPED: thin_gemm is a Hopper (sm_90a) kernel; this is {}",
+            dev.arch()
+        );
+        return;
+    }
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+    const MS: [usize; 6] = [1, 2, 4, 8, 16, 32]; // THIN_GEMM_MAX_M
+    for (model, shapes) in MODEL_GEMMS {
+        // Per m: the layer's GEMMs by cuBLAS, by thin_gemm, and their bytes.
+        let mut layer = [(0.0, 0.0, 0.0); MS.len()];
+        for (name, k, n) in shapes {
+            // Copies of one random matrix made on the device (generating each on the host
+            // would take longer than the whole benchmark).
+            let w0 = random(&dev, n * k, 100);
+            let copies = ((256 << 20) as f64 / (n * k * 2) as f64)
+                .ceil()
+                .clamp(1.0, 64.0) as usize;
+            let ws: Vec<_> = (0..copies)
+                .map(|_| dev.stream.clone_dtod(&w0).expect("copy weights"))
+                .collect();
+            for (mi, m) in MS.into_iter().enumerate() {
+                let bytes = ((n * k + m * k + m * n) * 2) as f64;
+                let x = random(&dev, m * k, 5);
+                let mut out = ops.alloc(m * n).unwrap();
+                let mut act = ops.alloc(m * n / 2).unwrap();
+                let mut i = 0;
+                let mut next = || {
+                    i = (i + 1) % copies;
+                    &ws[i]
+                };
+                gemm.tuning(|| gemm.linear(&x, &ws[0], &mut out, m, k, n).unwrap());
+                // One row: the model's gemv stands where cuBLAS does at more rows.
+                let blas = time_graph(&dev, 40, || {
+                    if m == 1 {
+                        ops.gemv(&x, next(), &mut out, m, k, n).unwrap()
+                    } else {
+                        gemm.linear(&x, next(), &mut out, m, k, n).unwrap()
+                    }
+                });
+                let what = format!("{model} {name} m={m} [{k}->{n}]");
+                let base = if m == 1 { "gemv" } else { "cublas" };
+                report(&format!("{what} {base}"), blas, bytes);
+                let plan = ThinGemmPlan::new((m, k, n), ops.num_sms, None);
+                let mut ours = f64::INFINITY;
+                for splits in [plan.splits, plan.splits.div_ceil(2), plan.splits * 2] {
+                    let s = time_graph(&dev, 40, || {
+                        ops.thin_gemm(&x, next(), &mut out, (m, k, n), Some(splits))
+                            .unwrap()
+                    });
+                    report(&format!("{what} thin_gemm splits={splits}"), s, bytes);
+                    if splits == plan.splits {
+                        ours = s;
+                    }
+                }
+                let (mut blas_layer, mut ours_layer) = (blas, ours);
+                if name == "gate_up_proj" {
+                    let unfused = time_graph(&dev, 40, || {
+                        if m == 1 {
+                            ops.gemv_silu_mul(&x, next(), &mut act, k, n / 2).unwrap()
+                        } else {
+                            gemm.linear(&x, next(), &mut out, m, k, n).unwrap();
+                            ops.silu_and_mul(&out, &mut act, m, n / 2).unwrap()
+                        }
+                    });
+                    let fused = time_graph(&dev, 40, || {
+                        ops.thin_gemm_silu_mul(&x, next(), &mut act, (m, k, n / 2), None)
+                            .unwrap()
+                    });
+                    report(&format!("{what} {base} + silu_and_mul"), unfused, bytes);
+                    report(&format!("{what} thin_gemm_silu_mul"), fused, bytes);
+                    (blas_layer, ours_layer) = (unfused, fused);
+                }
+                if name != "lm_head" {
+                    layer[mi].0 += blas_layer;
+                    layer[mi].1 += ours_layer;
+                    layer[mi].2 += bytes;
+                }
+            }
+        }
+        for (m, (blas, ours, bytes)) in MS.into_iter().zip(layer) {
+            let base = if m == 1 { "gemv" } else { "cublas" };
+            report(&format!("{model} layer GEMMs m={m} {base}"), blas, bytes);
+            report(&format!("{model} layer GEMMs m={m} thin_gemm"), ours, bytes);
+        }
+    }
 }

@@ -14,7 +14,7 @@ use vllm_kernels::cpu;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    DecodeKernel, Gemm, SampleRowEx, SamplingBatch,
+    DecodeKernel, Gemm, SampleRowEx, SamplingBatch, THIN_GEMM_MAX_M,
 };
 
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
@@ -602,6 +602,112 @@ fn gemv_silu_mul_is_gemv_then_silu_and_mul() {
             assert!(got[d].is_nan(), "{what}: wrote past its output");
         }
     }
+}
+
+/// The decode-batch GEMM (thin_gemm.rs, Hopper only) in bf16 and fp16: every block size,
+/// one split and many (a tile's splits one cluster, summed in split order through
+/// distributed shared memory), rows and columns past a tile, a partial last k-tile; the
+/// output is poisoned one row past its end, which must stay NaN.
+/// Splits change only the order of f32 sums, and a repeat gives the same bits (graphs
+/// replay the eager run's bits). The SiLU variant is bit for bit thin_gemm then
+/// `silu_and_mul`.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn thin_gemm_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    if g.dev.arch() != "sm_90a" {
+        eprintln!(
+            "SKIPPED: thin_gemm is a Hopper (sm_90a) kernel; this is {}",
+            g.dev.arch()
+        );
+        return;
+    }
+    for dtype in [DType::BF16, DType::F16] {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(23);
+        for (m, k, n) in [
+            (1, 1024, 4096),
+            (2, 64, 64),
+            (5, 1032, 72),
+            (9, 1024, 6144),
+            (16, 2048, 1024),
+            (17, 1024, 130),
+            (24, 520, 200),
+            (32, 1000, 392),
+            (32, 3072, 1024),
+        ] {
+            let x = c.round(&r.vec(m * k, 1.0));
+            let w = c.round(&r.vec(n * k, 4.0 / (k as f32).sqrt()));
+            let mut want = vec![0.0; m * n];
+            cpu::linear(&x, &w, None, m, k, n, &mut want);
+            let (xd, wd) = (c.upload(&x), c.upload(&w));
+            assert!(c.ops.thin_gemm_fits([&xd, &wd, &xd], m, k, n));
+            let mut first: Option<Vec<f32>> = None;
+            for splits in [None, Some(1), Some(7), None] {
+                let mut out = c.poisoned((m + 1) * n);
+                c.ops
+                    .thin_gemm(&xd, &wd, &mut out, (m, k, n), splits)
+                    .unwrap();
+                let got = c.download(&out, (m + 1) * n);
+                let what = format!("thin_gemm m={m} k={k} n={n} splits={splits:?}");
+                assert_close(&what, dtype, &got[..m * n], &want, linear_tol(dtype));
+                assert!(
+                    got[m * n..].iter().all(|v| v.is_nan()),
+                    "{what}: wrote past its output"
+                );
+                match (&first, splits) {
+                    (None, _) => first = Some(got),
+                    (Some(f), None) => assert!(same_bits(f, &got), "{what}: a repeat differs"),
+                    _ => {}
+                }
+            }
+            // The fused activation over the same product read as gate/up halves; it takes
+            // an even d only.
+            let d = n / 2;
+            if d % 2 == 1 {
+                let mut out = c.poisoned(m * d);
+                let odd = c
+                    .ops
+                    .thin_gemm_silu_mul(&xd, &wd, &mut out, (m, k, d), None);
+                assert!(odd.is_err(), "thin_gemm_silu_mul took an odd d = {d}");
+                continue;
+            }
+            let mut gate_up = c.poisoned(m * n);
+            c.ops
+                .thin_gemm(&xd, &wd, &mut gate_up, (m, k, n), None)
+                .unwrap();
+            let mut unfused = c.poisoned(m * d);
+            c.ops.silu_and_mul(&gate_up, &mut unfused, m, d).unwrap();
+            let mut fused = c.poisoned((m + 1) * d);
+            c.ops
+                .thin_gemm_silu_mul(&xd, &wd, &mut fused, (m, k, d), None)
+                .unwrap();
+            let (want, got) = (c.download(&unfused, m * d), c.download(&fused, (m + 1) * d));
+            let what = format!("thin_gemm_silu_mul {dtype:?} m={m} k={k} d={d}");
+            assert!(
+                want.iter().all(|v| v.is_finite()),
+                "{what}: unfused not finite"
+            );
+            for (j, (a, b)) in got[..m * d].iter().zip(&want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what}: output {j}: {a} vs {b}");
+            }
+            assert!(
+                got[m * d..].iter().all(|v| v.is_nan()),
+                "{what}: wrote past its output"
+            );
+        }
+        // What it does not take: no rows, too many rows, ragged k, odd n.
+        let buf = c.upload(&vec![0.5; 257 * 64]);
+        assert!(!c.ops.thin_gemm_fits([&buf, &buf, &buf], 0, 64, 64));
+        assert!(!c
+            .ops
+            .thin_gemm_fits([&buf, &buf, &buf], THIN_GEMM_MAX_M + 1, 64, 64));
+        assert!(!c.ops.thin_gemm_fits([&buf, &buf, &buf], 4, 60, 64));
+        assert!(!c.ops.thin_gemm_fits([&buf, &buf, &buf], 4, 64, 63));
+    }
+    let f32_ops = CudaOps::new(&g.dev, DType::F32).unwrap();
+    let buf = g.dev.stream.alloc_zeros::<u8>(4 * 64 * 4).unwrap();
+    assert!(!f32_ops.thin_gemm_fits([&buf, &buf, &buf], 4, 64, 64));
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! The CUDA sources compile with NVRTC for Hopper in every dtype, into a kernel cache that
+//! The CUDA sources compile with NVRTC for Hopper (sm_90a, what an H100 or H200 server
+//! builds, in every dtype; sm_90 without wgmma in bf16), into a kernel cache that
 //! gives the same CUBIN back on the next call (and a cache that cannot be written is
 //! reported). Needs only libnvrtc (no GPU), so it also runs on a build machine that has
 //! NVRTC; without it, it says SKIPPED.
@@ -24,10 +25,16 @@ fn kernels_compile_for_sm90_in_every_dtype() {
     // Through the kernel cache, as `vllm-rs compile-kernels` and a server's start go: the
     // first call compiles and stores, the second finds the same bytes under the same key.
     let cache = tempfile::tempdir().expect("tempdir");
-    for dtype in [DType::BF16, DType::F16, DType::F32] {
-        let cubin = match module::cubin_in(cache.path(), "sm_90", dtype) {
+    let builds = [
+        ("sm_90a", DType::BF16),
+        ("sm_90a", DType::F16),
+        ("sm_90a", DType::F32),
+        ("sm_90", DType::BF16),
+    ];
+    for (arch, dtype) in builds {
+        let cubin = match module::cubin_in(cache.path(), arch, dtype) {
             Ok(c) => c,
-            Err(e) => panic!("{dtype:?}: {e:#}"),
+            Err(e) => panic!("{arch} {dtype:?}: {e:#}"),
         };
         assert_eq!(cubin.source, module::BuildSource::Compiled, "{dtype:?}");
         assert!(
@@ -49,7 +56,7 @@ fn kernels_compile_for_sm90_in_every_dtype() {
             Ok(())
         })
         .unwrap();
-        let again = module::cubin_in(cache.path(), "sm_90", dtype).unwrap();
+        let again = module::cubin_in(cache.path(), arch, dtype).unwrap();
         assert_eq!(again.source, module::BuildSource::Cache, "{dtype:?}");
         assert_eq!(
             (again.bytes, again.path),

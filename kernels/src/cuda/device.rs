@@ -84,12 +84,14 @@ impl CudaDevice {
         })
     }
 
-    /// NVRTC's architecture flag value for this device, e.g. `sm_90`.
+    /// NVRTC's architecture flag value for this device: `sm_90a` for Hopper (its
+    /// architecture-specific features, `wgmma`, are what thin_gemm.cu needs), else
+    /// `sm_{major}{minor}`.
     pub fn arch(&self) -> String {
-        format!(
-            "sm_{}{}",
-            self.compute_capability.0, self.compute_capability.1
-        )
+        match self.compute_capability {
+            (9, 0) => "sm_90a".to_string(),
+            (major, minor) => format!("sm_{major}{minor}"),
+        }
     }
 
     /// (free, total) bytes of device memory.

@@ -124,6 +124,19 @@ impl<'a> KernelLaunch<'a> {
     /// The arguments must be those the kernel declares, in order, and every buffer must
     /// hold what the kernel indexes (the caller's checks, stated at the call site).
     pub unsafe fn launch(&self, cfg: LaunchConfig, pdl: bool) -> Result<(), DriverError> {
+        unsafe { self.launch_in_clusters(cfg, pdl, 1) }
+    }
+
+    /// `launch` in thread-block clusters of `cluster` blocks along x (1: none).
+    ///
+    /// # Safety
+    /// As `launch`; the grid's x is a multiple of `cluster`, which the kernel allows.
+    pub unsafe fn launch_in_clusters(
+        &self,
+        cfg: LaunchConfig,
+        pdl: bool,
+        cluster: u32,
+    ) -> Result<(), DriverError> {
         assert!(
             !self.stream.context().is_managing_stream_synchronization(),
             "KernelLaunch passes no events: the context must not track them (device.rs)"
@@ -137,13 +150,29 @@ impl<'a> KernelLaunch<'a> {
                 KernelArg::Pointer(p) => p as *const sys::CUdeviceptr as *mut c_void,
             })
             .collect();
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: Default::default(),
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
-        };
+        let mut attrs = Vec::with_capacity(2);
+        if pdl {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: Default::default(),
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            });
+        }
+        if cluster > 1 {
+            attrs.push(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                pad: Default::default(),
+                value: sys::CUlaunchAttributeValue {
+                    clusterDim: sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+                        x: cluster,
+                        y: 1,
+                        z: 1,
+                    },
+                },
+            });
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -153,8 +182,8 @@ impl<'a> KernelLaunch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(pdl),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
         // SAFETY: `params` points at one value per kernel parameter (the caller's), each
         // alive until this returns: the launch copies them.

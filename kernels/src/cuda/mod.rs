@@ -22,6 +22,7 @@ pub mod nvrtc;
 pub mod ops;
 pub mod sampling_ops;
 pub mod sources;
+pub mod thin_gemm;
 
 pub use attention_plan::{AttentionKernels, AttentionPlan, DecodeKernel};
 pub use capture_arena::{CaptureArena, DeviceBuf};
@@ -35,3 +36,4 @@ pub use sampling_ops::{
     LogitEntry, SampleRow, SampleRowEx, SampledBatch, SamplingBatch, TokenLogprobsOut, ENTRY_MASK,
     ENTRY_REPEAT, MAX_LOGPROBS,
 };
+pub use thin_gemm::THIN_GEMM_MAX_M;

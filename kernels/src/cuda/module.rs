@@ -12,6 +12,7 @@ use cudarc::nvrtc::Ptx;
 use super::attention_plan::HEAD_DIMS;
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
+use super::thin_gemm::THIN_GEMM_BLOCK_ROWS;
 use super::{cache, nvrtc, sources};
 
 /// Every kernel of `csrc/`: `F` is the loaded `CudaFunction`, or whatever a caller that
@@ -45,6 +46,9 @@ pub struct Functions<F = CudaFunction> {
     pub paged_attention_decode_combine: F,
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
     pub paged_attention_prefill: Option<[F; 4]>,
+    /// `thin_gemm_m{BM}` and `thin_gemm_silu_m{BM}` by `THIN_GEMM_BLOCK_ROWS`; bf16 and
+    /// fp16 modules only.
+    pub thin_gemm: Option<([F; 2], [F; 2])>,
     pub sample_tokens_ex: F,
     pub sample_fast_max: F,
     pub sample_fast_max_draw: F,
@@ -103,6 +107,15 @@ impl<F> Functions<F> {
                 _ => Some(family(HEAD_DIMS, |d| {
                     f(&format!("paged_attention_prefill_d{d}"))
                 })?),
+            },
+            thin_gemm: match dtype {
+                DType::F32 => None,
+                _ => Some((
+                    family(THIN_GEMM_BLOCK_ROWS, |bm| f(&format!("thin_gemm_m{bm}")))?,
+                    family(THIN_GEMM_BLOCK_ROWS, |bm| {
+                        f(&format!("thin_gemm_silu_m{bm}"))
+                    })?,
+                )),
             },
             sample_tokens_ex: f("sample_tokens_ex")?,
             sample_fast_max: f("sample_fast_max")?,

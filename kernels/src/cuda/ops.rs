@@ -19,6 +19,7 @@ use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::launch::ByValue;
 use super::module::{self, BuildSource, Functions};
+use super::thin_gemm::ThinGemmKernels;
 
 /// Launches a kernel of `$ops`'s module with `$cfg`, pushing the arguments in the order of
 /// the kernel's parameters; an error names the kernel. The kernel is `$ops.f.<name>`, or
@@ -206,6 +207,8 @@ pub struct CudaOps {
     pub(crate) f: Functions,
     /// The sampler's buffers, kept across steps (sampling_ops.rs).
     pub(crate) sampling: super::sampling_ops::SamplingScratch,
+    /// The decode-batch GEMM's kernels (thin_gemm.rs); Hopper (sm_90a), 16-bit dtypes only.
+    pub(crate) thin_gemm: Option<ThinGemmKernels>,
     /// Set while graphs are captured (capture_arena.rs).
     capture_arena: std::sync::Mutex<Option<CaptureArena>>,
     _module: Arc<CudaModule>,
@@ -252,6 +255,13 @@ impl CudaOps {
     /// Builds (or loads from the cache) the module of `dtype` for `dev`.
     pub fn new(dev: &CudaDevice, dtype: DType) -> Result<Self> {
         let (module, f, build_source) = module::load(dev, dtype)?;
+        // thin_gemm.cu's kernels are wgmma kernels: built for sm_90a, traps elsewhere.
+        let thin_gemm = match &f.thin_gemm {
+            Some((plain, silu)) if dev.arch() == "sm_90a" => {
+                Some(ThinGemmKernels::new(plain.clone(), silu.clone())?)
+            }
+            _ => None,
+        };
         Ok(Self {
             dtype,
             stream: dev.stream.clone(),
@@ -260,6 +270,7 @@ impl CudaOps {
             pdl: dev.compute_capability.0 >= 9,
             f,
             sampling: Default::default(),
+            thin_gemm,
             capture_arena: Default::default(),
             _module: module,
         })

@@ -22,6 +22,8 @@ pub const SOURCES: &[(&str, &str)] = &[
         "attention_prefill.cu",
         include_str!("csrc/attention_prefill.cu"),
     ),
+    ("wgmma.cuh", include_str!("csrc/wgmma.cuh")),
+    ("thin_gemm.cu", include_str!("csrc/thin_gemm.cu")),
     ("sampling.cu", include_str!("csrc/sampling.cu")),
     ("sampling_fast.cu", include_str!("csrc/sampling_fast.cu")),
 ];

@@ -23,7 +23,7 @@ use anyhow::{bail, ensure, Context, Result};
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    Gemm, TuningCounts, GEMV_PAYS_MAX_M,
+    Gemm, TuningCounts, GEMV_PAYS_MAX_M, THIN_GEMM_MAX_M,
 };
 
 use step_buffers::StepBuffers;
@@ -33,6 +33,10 @@ use super::{Backend, StepCapacity, StepInputs, StepMetadata};
 use crate::communicator::{Communicator, NcclCommunicator};
 use crate::sampler::seeded_uniform;
 use crate::weights::{DummyRegion, HostTensor, WeightTensor};
+
+/// Rows whose products go to our decode-batch GEMM (`thin_gemm`, on Hopper): gemv takes
+/// fewer, cuBLAS more (docs/BENCHMARKS.md, "Decode GEMMs on warpgroup tensor cores").
+const THIN_GEMM_ROWS: std::ops::RangeInclusive<usize> = (GEMV_PAYS_MAX_M + 1)..=THIN_GEMM_MAX_M;
 
 /// CUDA devices the driver reports; 0 without a driver (`--device auto`).
 pub fn device_count() -> usize {
@@ -394,9 +398,14 @@ impl Backend for CudaBackend {
             w.shape
         );
         let mut out = self.tensor(vec![m, n])?;
-        // Single-row products stream the weights through our thin-GEMM kernel; cuBLAS
-        // takes the rest (docs/BENCHMARKS.md, "Thin GEMMs").
-        if m <= GEMV_PAYS_MAX_M && self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
+        // Decode batches stream the weights through our own kernels; cuBLAS takes the rest
+        // (docs/BENCHMARKS.md, "Thin GEMMs").
+        if THIN_GEMM_ROWS.contains(&m)
+            && self.ops.thin_gemm_fits([&x.buf, &w.buf, &out.buf], m, k, n)
+        {
+            self.ops
+                .thin_gemm(&x.buf, &w.buf, &mut out.buf, (m, k, n), None)?;
+        } else if m <= GEMV_PAYS_MAX_M && self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
             self.ops.gemv(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
         } else {
             self.gemm.linear(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
@@ -583,9 +592,20 @@ impl Backend for CudaBackend {
             "linear_silu_and_mul: x has {k} columns, gate/up weight {:?}",
             w.shape
         );
-        // A single row fuses the activation into the thin GEMM's epilogue; the output is
-        // allocated only then (inside a captured graph an unused one is two more nodes).
-        if m <= GEMV_PAYS_MAX_M {
+        // Decode batches fuse the activation into the GEMM's epilogue (gemv at one row,
+        // thin_gemm from two); the output is allocated only then (inside a captured graph
+        // an unused one is two more nodes).
+        if THIN_GEMM_ROWS.contains(&m) && d.is_multiple_of(2) {
+            let mut out = self.tensor(vec![m, d])?;
+            if self
+                .ops
+                .thin_gemm_fits([&x.buf, &w.buf, &out.buf], m, k, 2 * d)
+            {
+                self.ops
+                    .thin_gemm_silu_mul(&x.buf, &w.buf, &mut out.buf, (m, k, d), None)?;
+                return Ok(out);
+            }
+        } else if m <= GEMV_PAYS_MAX_M {
             let mut out = self.tensor(vec![m, d])?;
             if self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
                 self.ops.gemv_silu_mul(&x.buf, &w.buf, &mut out.buf, k, d)?;

@@ -14,8 +14,8 @@ use super::device::driver_error;
 use super::launch::{ByValue, KernelLaunch};
 use super::ops::{i32_of, CudaOps};
 
-/// The most rows of x the kernel takes. From 64 rows up cuBLAS is faster: a block's 64 rows
-/// of w read all of x from L2, which then costs as much as the weights (docs/BENCHMARKS.md).
+/// The most rows of x the kernel takes: from 64 rows up cuBLAS is faster (docs/BENCHMARKS.md,
+/// "Decode GEMMs on warpgroup tensor cores").
 pub const THIN_GEMM_MAX_M: usize = 32;
 /// Rows of x a block takes (the batch, padded), one kernel each (`thin_gemm_m{BM}`),
 /// smallest first.

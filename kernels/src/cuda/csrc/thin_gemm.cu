@@ -1,7 +1,8 @@
 // GEMMs of decode batches on Hopper's warpgroup tensor cores (bf16 and fp16 builds, sm_90a):
-// out[m, n] = x[m, k] · w[n, k]ᵀ for the 2 to 32 rows of a decode step (gemv takes 1). There the product
-// is a stream of the weights, and cuBLAS's kernels take part in no programmatic dependent
-// launch: each starts its weight stream only once the kernel before has drained.
+// out[m, n] = x[m, k] · w[n, k]ᵀ for the 2 to 32 rows of a decode step (gemv takes one).
+// There the product is a stream of the weights, and cuBLAS's kernels take part in no
+// programmatic dependent launch: each starts its weight stream only once the kernel before
+// it has drained.
 //
 // A block (one warpgroup) computes a BM × TG_BN tile of out over one split of k,
 // "swapped": 64 rows of w are wgmma's A, x's BM rows its B, so one `wgmma.m64nBMk16` a
@@ -98,7 +99,9 @@ __device__ __forceinline__ unsigned long long tg_desc(const void* p) {
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
@@ -116,7 +119,9 @@ __device__ __forceinline__ void tg_pin(float (&d)[R]) {
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 __device__ __forceinline__ void tg_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\n\t"
+        "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 // The two floats at `p` (this block's shared memory, 8-byte aligned) in the cluster's
 // block `rank`. No memory clobber: the cluster barriers order these loads, and without
@@ -124,7 +129,9 @@ __device__ __forceinline__ void tg_cluster_sync() {
 __device__ __forceinline__ float2 tg_peer_load2(const float* p, unsigned int rank) {
     unsigned int remote;
     float2 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(smem_addr(p)), "r"(rank));
     asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(remote));
     return v;
 }
@@ -173,7 +180,8 @@ __device__ __forceinline__ void tg_write_rows(const ThinGemmArgs& a, const float
             const float2 g = tg_tile_sum2(sc, r, c, splits), u = tg_tile_sum2(sc, r, H + c, splits);
             a.out[(long long)r * d + col] = from_f32(round_t(g.x / (1.f + expf(-g.x))) * u.x);
             if (col + 1 < d)
-                a.out[(long long)r * d + col + 1] = from_f32(round_t(g.y / (1.f + expf(-g.y))) * u.y);
+                a.out[(long long)r * d + col + 1] =
+                    from_f32(round_t(g.y / (1.f + expf(-g.y))) * u.y);
         }
     }
 }
@@ -260,7 +268,8 @@ __device__ void thin_gemm_impl(const ThinGemmArgs& a) {
     extern "C" __global__ void __launch_bounds__(TG_THREADS) thin_gemm_m##BM(ThinGemmArgs a) {    \
         TG_BODY(BM, false);                                                                     \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(TG_THREADS) thin_gemm_silu_m##BM(ThinGemmArgs a) { \
+    extern "C" __global__ void __launch_bounds__(TG_THREADS)                                    \
+        thin_gemm_silu_m##BM(ThinGemmArgs a) {                                                  \
         TG_BODY(BM, true);                                                                      \
     }
 THIN_GEMM_KERNELS(16)

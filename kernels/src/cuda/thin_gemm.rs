@@ -30,6 +30,13 @@ const TG_THREADS: u32 = 128;
 const TG_MAX_SPLITS: usize = 8;
 /// Each split takes at least this many k-tiles: fewer leave the pipeline empty.
 const MIN_K_TILES_PER_SPLIT: usize = 2;
+/// The most n-tiles: they are the grid's y, which CUDA caps at 65,535 blocks.
+const MAX_N_TILES: usize = 65_535;
+
+/// Whether the grid can hold n's tiles (n up to about 4.2 million).
+fn n_fits(n: usize) -> bool {
+    n.div_ceil(TG_BN) <= MAX_N_TILES
+}
 
 /// `ThinGemmArgs` of thin_gemm.cu, field for field.
 #[repr(C)]
@@ -114,12 +121,14 @@ impl ThinGemmPlan {
 
 impl CudaOps {
     /// Whether `thin_gemm` takes this product: a 16-bit dtype, 1 to `THIN_GEMM_MAX_M` rows,
-    /// k in whole 16-byte chunks, an even n, and 16-byte aligned buffers.
+    /// k in whole 16-byte chunks, an even n whose tiles the grid holds, and 16-byte
+    /// aligned buffers.
     pub fn thin_gemm_fits(&self, bufs: [&CudaSlice<u8>; 3], m: usize, k: usize, n: usize) -> bool {
         self.thin_gemm.is_some()
             && (1..=THIN_GEMM_MAX_M).contains(&m)
             && k.is_multiple_of(8)
             && n.is_multiple_of(2)
+            && n_fits(n)
             && bufs.iter().all(|b| {
                 let (p, _g) = b.device_ptr(&self.stream);
                 p.is_multiple_of(16)
@@ -233,6 +242,13 @@ mod tests {
         assert_eq!((p.splits, p.k_tiles_per_split), (1, 2));
         let p = ThinGemmPlan::new((3, 1024, 64), 132, Some(3));
         assert_eq!((p.splits, p.k_tiles_per_split), (3, 6));
+    }
+
+    #[test]
+    fn the_grid_holds_every_n_tile() {
+        assert!(n_fits(151_936 * 8));
+        assert!(n_fits(MAX_N_TILES * TG_BN));
+        assert!(!n_fits(MAX_N_TILES * TG_BN + 2));
     }
 
     #[test]

@@ -120,11 +120,16 @@ impl ThinGemmPlan {
 }
 
 impl CudaOps {
+    /// Whether this module has the kernels (Hopper, 16-bit dtypes).
+    pub fn has_thin_gemm(&self) -> bool {
+        self.thin_gemm.is_some()
+    }
+
     /// Whether `thin_gemm` takes this product: a 16-bit dtype, 1 to `THIN_GEMM_MAX_M` rows,
     /// k in whole 16-byte chunks, an even n whose tiles the grid holds, and 16-byte
     /// aligned buffers.
     pub fn thin_gemm_fits(&self, bufs: [&CudaSlice<u8>; 3], m: usize, k: usize, n: usize) -> bool {
-        self.thin_gemm.is_some()
+        self.has_thin_gemm()
             && (1..=THIN_GEMM_MAX_M).contains(&m)
             && k.is_multiple_of(8)
             && n.is_multiple_of(2)

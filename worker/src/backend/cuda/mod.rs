@@ -595,7 +595,7 @@ impl Backend for CudaBackend {
         // Decode batches fuse the activation into the GEMM's epilogue (gemv at one row,
         // thin_gemm from two); the output is allocated only then (inside a captured graph
         // an unused one is two more nodes).
-        if THIN_GEMM_ROWS.contains(&m) && d.is_multiple_of(2) {
+        if THIN_GEMM_ROWS.contains(&m) && d.is_multiple_of(2) && self.ops.has_thin_gemm() {
             let mut out = self.tensor(vec![m, d])?;
             if self
                 .ops

@@ -896,14 +896,14 @@ fn dual_batch_overlap() {
 fn decode_gemms() {
     use vllm_kernels::cuda::thin_gemm::ThinGemmPlan;
     let Some(dev) = common::device() else { return };
-    if dev.arch() != "sm_90a" {
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    if !ops.has_thin_gemm() {
         eprintln!(
             "SKIPPED: thin_gemm is a Hopper (sm_90a) kernel; this is {}",
             dev.arch()
         );
         return;
     }
-    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
     const MS: [usize; 6] = [1, 2, 4, 8, 16, 32]; // THIN_GEMM_MAX_M
     for (model, shapes) in MODEL_GEMMS {

@@ -3,7 +3,7 @@
 //! split-K tiles leave two thirds of the bandwidth unused (docs/BENCHMARKS.md).
 
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::CudaSlice;
 
 use super::ops::{i32_of, launch, rows_cfg, CudaOps};
 
@@ -21,12 +21,7 @@ impl CudaOps {
     /// chunks, and 16-byte aligned buffers.
     pub fn gemv_fits(&self, bufs: [&CudaSlice<u8>; 3], m: usize, k: usize) -> bool {
         let vec = self.dtype.vec16();
-        (1..=GEMV_MAX_M).contains(&m)
-            && k.is_multiple_of(vec)
-            && bufs.iter().all(|b| {
-                let (p, _g) = b.device_ptr(&self.stream);
-                p.is_multiple_of(16)
-            })
+        (1..=GEMV_MAX_M).contains(&m) && k.is_multiple_of(vec) && self.aligned16(&bufs)
     }
 
     /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `gemv_fits` takes.

@@ -287,6 +287,14 @@ impl CudaOps {
         Ok(())
     }
 
+    /// Whether every buffer starts 16-byte aligned (what 16-byte vector loads ask).
+    pub(crate) fn aligned16(&self, bufs: &[&CudaSlice<u8>]) -> bool {
+        bufs.iter().all(|b| {
+            let (p, _g) = b.device_ptr(&self.stream);
+            p.is_multiple_of(16)
+        })
+    }
+
     fn check_ints(buf: &CudaSlice<i32>, n: usize, what: &str) -> Result<()> {
         ensure!(buf.len() >= n, "{what}: {} ints, need {n}", buf.len());
         Ok(())

@@ -134,10 +134,7 @@ impl CudaOps {
             && k.is_multiple_of(8)
             && n.is_multiple_of(2)
             && n_fits(n)
-            && bufs.iter().all(|b| {
-                let (p, _g) = b.device_ptr(&self.stream);
-                p.is_multiple_of(16)
-            })
+            && self.aligned16(&bufs)
     }
 
     /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `thin_gemm_fits` takes.

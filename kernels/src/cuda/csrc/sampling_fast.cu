@@ -508,12 +508,11 @@ __device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, i
 }
 
 // Grid: (chunk, row). One-pass rows are drawn; of the others only maxima are taken.
-__device__ __forceinline__ void fast_max_draw(const scalar_t* __restrict__ logits, int vocab,
-                                              const SampleRowEx* __restrict__ params,
-                                              float* part_val, int* part_id, double* part_mass,
-                                              int* part_last, unsigned int* counters,
-                                              float* row_max, int* row_fallback,
-                                              int* __restrict__ out_tokens) {
+extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
+    sample_fast_max_draw(const scalar_t* __restrict__ logits, int vocab,
+                         const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
+                         double* part_mass, int* part_last, unsigned int* counters,
+                         float* row_max, int* row_fallback, int* __restrict__ out_tokens) {
     pdl_enter();
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
@@ -579,15 +578,6 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     int id;
     key_argmax(atomicExch(row_key + row, 0ull), m, id);
     finish_row(row, m, id, params[row].base, true, row_max, row_fallback, out_tokens);
-}
-
-extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
-    sample_fast_max_draw(const scalar_t* __restrict__ logits, int vocab,
-                         const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
-                         double* part_mass, int* part_last, unsigned int* counters,
-                         float* row_max, int* row_fallback, int* __restrict__ out_tokens) {
-    fast_max_draw(logits, vocab, params, part_val, part_id, part_mass, part_last, counters,
-                  row_max, row_fallback, out_tokens);
 }
 
 // ---- Top-k / top-p rows (`is_top_row`): candidates, then an exact merge per row. ----

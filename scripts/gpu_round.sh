@@ -15,6 +15,7 @@
 #                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
+#                                     tp-parity-0.6b (the Qwen3-0.6B shape, Qwen3-8B's tokenizer)
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
 #                                     reliability: soak (scripts/soak.sh on the Qwen3-0.6B shape,
 #                                     $SOAK_SECONDS, default 480; set STAGE_TIMEOUT above it)
@@ -439,6 +440,7 @@ for s in $STAGES; do
     tp-throughput) stage tp-throughput tp_throughput ;;
     tp-70b) stage tp-70b tp_70b ;;
     tp-parity) stage tp-parity python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
+    tp-parity-0.6b) stage tp-parity-0.6b python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06 ;;
     tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
     soak)
         make_model qwen3-0.6b "$MODELS/qwen3-0.6b"

@@ -17,6 +17,8 @@ transformers must then agree token for token.
 
 Usage (on the GPU machine, from the repository root):
   scripts/tp_parity.py --bin .gpu/vllm-rs --config .gpu/models/Qwen3-8B --work /dev/shm/tp
+  scripts/tp_parity.py --bin .gpu/vllm-rs --config .gpu/models/Qwen3-0.6B \
+      --tokenizer .gpu/models/Qwen3-8B --work /dev/shm/tp   (the small shape)
 """
 
 import argparse
@@ -126,10 +128,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
     ap.add_argument("--config", required=True, help="folder with config.json and tokenizer")
+    ap.add_argument("--tokenizer", help="folder of the tokenizer files, when --config has none "
+                    "(a model of the same family: Qwen3's sizes share one tokenizer)")
     ap.add_argument("--work", default="/dev/shm/vllm-rs-tp")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    tokenizer = args.tokenizer or args.config
+    if not os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
+        sys.exit(f"no tokenizer.json in {tokenizer} (--tokenizer names another folder)")
     name = os.path.basename(args.config.rstrip("/"))
     mdir = os.path.join(args.work, name)
     t0 = time.time()
@@ -137,8 +144,8 @@ def main():
     if args.dtype == "float32":
         model = model.float()  # the same bf16 weights, computed in f32
     for f in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(args.config, f)):
-            shutil.copy(os.path.join(args.config, f), mdir)
+        if os.path.exists(os.path.join(tokenizer, f)):
+            shutil.copy(os.path.join(tokenizer, f), mdir)
     prompts = make_prompts(config.vocab_size, seed=77)
     hf_prefill, hf_tokens, hf_rows = hf_side(model, prompts)
     hf_first = [torch.log_softmax(torch.tensor(p[-1]), -1).numpy() for p in hf_prefill]

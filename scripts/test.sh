@@ -15,9 +15,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" scripts/openai_client_test.py "$target/debug/vllm-rs"
 
-# The CUDA sources compile with NVRTC for sm_90a (Hopper) in every dtype and sm_90 in bf16, and every kernel the
-# launch wrappers look up is in the CUBIN: no GPU needed, only libnvrtc, taken from
-# NVIDIA's PyPI wheel into the same private environment.
+# The CUDA sources compile with NVRTC for sm_90a (Hopper) in every dtype and sm_90 in
+# bf16, and every kernel the launch wrappers look up is in the CUBIN: no GPU needed, only
+# libnvrtc, taken from NVIDIA's PyPI wheel into the same private environment.
 if ! "$venv/bin/python" -c "import nvidia.cu13" >/dev/null 2>&1; then
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "nvidia-cuda-nvrtc==13.0.*"
 fi

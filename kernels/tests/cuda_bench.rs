@@ -615,6 +615,20 @@ const MODEL_GEMMS: [(&str, [GemmShape; 5]); 2] = [
     ),
 ];
 
+/// Copies of one random bf16 matrix of `elems` filling 256 MB (1 to 64 of them), for a
+/// GEMM bench to read a different one each call: the 50 MB L2 then holds none, and the
+/// figures are HBM figures. Made on the device (generating each on the host would take
+/// longer than the whole benchmark).
+fn weight_copies(dev: &CudaDevice, elems: usize) -> Vec<CudaSlice<u8>> {
+    let w0 = random(dev, elems, 100);
+    let copies = ((256 << 20) as f64 / (elems * 2) as f64)
+        .ceil()
+        .clamp(1.0, 64.0) as usize;
+    (0..copies)
+        .map(|_| dev.stream.clone_dtod(&w0).expect("copy weights"))
+        .collect()
+}
+
 /// Decode GEMMs at batch 1–8, cuBLAS against the thin-GEMM kernel (both rows-per-warp
 /// variants and the one `gemv` picks), for the layer shapes of Qwen3-0.6B and Qwen3-8B.
 /// Each call reads a different copy of the weights, 256 MB in all, so the 50 MB L2 holds
@@ -633,10 +647,8 @@ fn thin_gemms() {
             let (mut layer_blas, mut layer_gemv, mut layer_bytes) = (0.0, 0.0, 0.0);
             for (name, k, n) in shapes {
                 let bytes = ((n * k + m * k + m * n) * 2) as f64;
-                let copies = ((256 << 20) as f64 / bytes).ceil().clamp(1.0, 64.0) as usize;
-                let ws: Vec<_> = (0..copies)
-                    .map(|i| random(&dev, n * k, 100 + i as u64))
-                    .collect();
+                let ws = weight_copies(&dev, n * k);
+                let copies = ws.len();
                 let x = random(&dev, m * k, 5);
                 let mut out = ops.alloc(m * n).unwrap();
                 let mut i = 0;
@@ -910,15 +922,8 @@ fn decode_gemms() {
         // Per m: the layer's GEMMs by cuBLAS, by thin_gemm, and their bytes.
         let mut layer = [(0.0, 0.0, 0.0); MS.len()];
         for (name, k, n) in shapes {
-            // Copies of one random matrix made on the device (generating each on the host
-            // would take longer than the whole benchmark).
-            let w0 = random(&dev, n * k, 100);
-            let copies = ((256 << 20) as f64 / (n * k * 2) as f64)
-                .ceil()
-                .clamp(1.0, 64.0) as usize;
-            let ws: Vec<_> = (0..copies)
-                .map(|_| dev.stream.clone_dtod(&w0).expect("copy weights"))
-                .collect();
+            let ws = weight_copies(&dev, n * k);
+            let copies = ws.len();
             for (mi, m) in MS.into_iter().enumerate() {
                 let bytes = ((n * k + m * k + m * n) * 2) as f64;
                 let x = random(&dev, m * k, 5);

@@ -15,7 +15,8 @@
 #                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
 #                                     tp-throughput tp-70b tp-parity tp-parity32
-#                                     tp-parity-0.6b (the Qwen3-0.6B shape, Qwen3-8B's tokenizer)
+#                                     tp-parity-0.6b (the Qwen3-0.6B shape, Qwen3-8B's tokenizer;
+#                                     TP=2 also through NCCL alone, against the custom all-reduce)
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
 #                                     reliability: soak (scripts/soak.sh on the Qwen3-0.6B shape,
 #                                     $SOAK_SECONDS, default 480; set STAGE_TIMEOUT above it)
@@ -309,14 +310,17 @@ tp_serve() {
 }
 
 # Batch-1 decode of the Qwen3-8B shape at TP=1 and TP=2 (dummy weights drawn on the GPU).
+# TP=2 twice: with the custom all-reduce (the default) and with NCCL alone.
 tp_latency() {
-    local tp
-    for tp in 1 2; do
-        echo "BENCH latency qwen3-8b TP=$tp (128 prompt, 256 output, batch 1):"
+    local run tp extra
+    for run in "1" "2" "2 --disable-custom-all-reduce"; do
+        read -r tp extra <<<"$run"
+        echo "BENCH latency qwen3-8b TP=$tp ${extra:-} (128 prompt, 256 output, batch 1):"
+        # shellcheck disable=SC2086
         timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench latency --model "$G/models/Qwen3-8B" \
-            --load-format dummy --device cuda -t "$tp" --input-len 128 --output-len 256 \
-            --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
-            2>"$LOG/tp-latency-$tp.err" | sed 's/^/BENCH   /'
+            --load-format dummy --device cuda -t "$tp" $extra --input-len 128 --output-len 256 \
+            --batch-size 1 --num-iters-warmup 2 --num-iters 5 ${ENGINE_ARGS:-} \
+            2>"$LOG/tp-latency-$tp${extra:+-nccl}.err" | sed 's/^/BENCH   /'
         echo "BENCH   (rc=${PIPESTATUS[0]})"
     done
 }
@@ -434,13 +438,13 @@ for s in $STAGES; do
     async-check)
         make_model qwen3-0.6b "$MODELS/qwen3-0.6b"
         stage async-check python3 scripts/async_check.py --bin "$BIN" --model "$MODELS/qwen3-0.6b" ;;
-    tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;
+    tp-nccl) stage tp-nccl bash -c "VLLM_REQUIRE_GPUS=1 $G/worker_tests --ignored --test-threads=1 --nocapture nccl_ custom_all_reduce_ dummy_weights_drawn_on_the_gpu; python3 scripts/allreduce_torch.py" ;;
     tp-serve) stage tp-serve tp_serve ;;
     tp-latency) stage tp-latency tp_latency ;;
     tp-throughput) stage tp-throughput tp_throughput ;;
     tp-70b) stage tp-70b tp_70b ;;
     tp-parity) stage tp-parity python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
-    tp-parity-0.6b) stage tp-parity-0.6b python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06 ;;
+    tp-parity-0.6b) stage tp-parity-0.6b python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06 --also-with=--disable-custom-all-reduce ;;
     tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
     soak)
         make_model qwen3-0.6b "$MODELS/qwen3-0.6b"

@@ -41,13 +41,13 @@ from hf_parity import (NEW_TOKENS, NUM_PROMPTS, bf16_ulp, build_model,  # noqa: 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
 
 
-def serve(binary, model_dir, tp, port, log_path, dtype):
+def serve(binary, model_dir, tp, port, log_path, dtype, extra):
     env = dict(os.environ, RUST_LOG="info")
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [binary, "serve", "--model", model_dir, "--port", str(port), "--device", "cuda",
          "-t", str(tp), "--gpu-memory-utilization", "0.8", "--max-model-len", "4096",
-         "--dtype", dtype],
+         "--dtype", dtype] + extra,
         stdout=log, stderr=subprocess.STDOUT, env=env)
     t0 = time.time()
     while time.time() - t0 < 300:
@@ -78,8 +78,8 @@ def complete(port, prompt):
     return choice["token_ids"], top
 
 
-def ours(binary, model_dir, tp, port, prompts, log_path, dtype):
-    proc, startup = serve(binary, model_dir, tp, port, log_path, dtype)
+def ours(binary, model_dir, tp, port, prompts, log_path, dtype, extra):
+    proc, startup = serve(binary, model_dir, tp, port, log_path, dtype, extra)
     try:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             runs = list(pool.map(lambda p: complete(port, p), prompts))
@@ -133,6 +133,8 @@ def main():
     ap.add_argument("--work", default="/dev/shm/vllm-rs-tp")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--also-with", help="a server flag: TP=N serves again with it, and its "
+                    "answers are compared with TP=N's (e.g. --also-with=--disable-custom-all-reduce)")
     args = ap.parse_args()
     tokenizer = args.tokenizer or args.config
     if not os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
@@ -158,11 +160,18 @@ def main():
     runs = {}
     for tp in (1, args.tp):
         runs[tp], startup = ours(args.bin, mdir, tp, 8300 + tp, prompts,
-                                 os.path.join(args.work, f"serve-tp{tp}.log"), args.dtype)
+                                 os.path.join(args.work, f"serve-tp{tp}.log"), args.dtype, [])
         print(f"vllm-rs TP={tp}: serve -> /health 200 in {startup:.1f}s", flush=True)
 
     tokens = {tp: [r[0] for r in runs[tp]] for tp in runs}
     tops = {tp: [r[1] for r in runs[tp]] for tp in runs}
+    if args.also_with:
+        alt, _ = ours(args.bin, mdir, args.tp, 8310, prompts,
+                      os.path.join(args.work, "serve-also.log"), args.dtype, [args.also_with])
+        same = sum(r[0] == t for r, t in zip(alt, tokens[args.tp]))
+        d = max(first_top_diff(alt[i][1], tops[args.tp][i]) for i in range(NUM_PROMPTS))
+        print(f"PARITY TP={args.tp} {args.also_with} vs TP={args.tp}: {same}/{NUM_PROMPTS} "
+              f"identical greedy continuations, first-token top-5 logprobs max|d| {d:.4f}")
     hf_vs = {tp: max(max(abs(v - hf_first[i][t]) for t, v in tops[tp][i][0].items())
                      for i in range(NUM_PROMPTS)) for tp in runs}
     tp_vs_tp1 = max(first_top_diff(tops[args.tp][i], tops[1][i]) for i in range(NUM_PROMPTS))

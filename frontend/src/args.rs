@@ -120,6 +120,10 @@ pub struct EngineArgs {
     /// for debugging, and to compare against graphs).
     #[arg(long)]
     pub enforce_eager: bool,
+    /// CUDA, tensor parallel: run every all-reduce through NCCL, none through the one-shot
+    /// kernel over the GPUs' peer memory that decode-sized ones take by default.
+    #[arg(long)]
+    pub disable_custom_all_reduce: bool,
     /// Compute dtype: auto (bfloat16), bfloat16, float16, float32. On the CPU, bf16 and f16
     /// store the weight matrices in that dtype; float32 is the exact reference path.
     #[arg(long, default_value = "auto")]
@@ -261,6 +265,7 @@ impl EngineArgs {
                 .unwrap_or_default(),
             execute_model_timeout_s: self.execute_model_timeout,
             enforce_eager: self.enforce_eager,
+            disable_custom_all_reduce: self.disable_custom_all_reduce,
         })
     }
 

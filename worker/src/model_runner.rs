@@ -13,6 +13,7 @@ use crate::backend::cuda::pending_step::{InputCopies, PendingStep, Readback};
 use crate::backend::cuda::CudaTensor;
 use crate::backend::cuda::{memory, sampling};
 use crate::backend::{Backend, CpuBackend, CudaBackend, StepCapacity, StepInputs};
+use crate::communicator::nccl::CustomAllReduceMode;
 use crate::communicator::ShmCommunicator;
 use crate::config::{AttentionBackend, LoadFormat, ModelConfig};
 use crate::cuda_graphs::{CudaGraphs, GraphGeometry, LogitsView};
@@ -58,6 +59,10 @@ pub struct WorkerConfig {
     /// CUDA: run every step op by op, capturing no graphs (`--enforce-eager`).
     #[serde(default)]
     pub enforce_eager: bool,
+    /// CUDA, tensor parallel: every all-reduce through NCCL, none through the one-shot
+    /// kernel over peer memory (`--disable-custom-all-reduce`).
+    #[serde(default)]
+    pub disable_custom_all_reduce: bool,
 }
 
 /// How this rank joins its tensor-parallel group, from the startup handshake.
@@ -501,7 +506,12 @@ impl ModelRunner<CudaBackend> {
             let id = group
                 .and_then(|g| g.init.nccl_unique_id.as_deref())
                 .context("a tensor-parallel CUDA rank needs the NCCL unique id of its group")?;
-            backend.join_group(id, cfg.rank, cfg.world_size)?;
+            let custom = if cfg.disable_custom_all_reduce {
+                CustomAllReduceMode::Disabled
+            } else {
+                CustomAllReduceMode::Auto
+            };
+            backend.join_group(id, cfg.rank, cfg.world_size, custom)?;
         }
         tracing::info!(
             device = backend.device_name(),

@@ -35,6 +35,7 @@ fn worker_config(dir: &Path) -> WorkerConfig {
         attention_backend: Default::default(),
         execute_model_timeout_s: 300.0,
         enforce_eager: false,
+        disable_custom_all_reduce: false,
     }
 }
 

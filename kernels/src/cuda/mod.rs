@@ -8,6 +8,7 @@
 pub mod attention_plan;
 pub mod cache;
 pub mod capture_arena;
+pub mod custom_all_reduce;
 pub mod device;
 pub mod dtype;
 pub mod gemm;
@@ -26,6 +27,7 @@ pub mod thin_gemm;
 
 pub use attention_plan::{AttentionKernels, AttentionPlan, DecodeKernel};
 pub use capture_arena::{CaptureArena, DeviceBuf};
+pub use custom_all_reduce::{AbortWord, CustomAllReduce};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;

@@ -55,6 +55,9 @@ pub struct Functions<F = CudaFunction> {
     pub sample_fast_draw: F,
     pub sample_fast_top: F,
     pub sample_fast_draw_top: F,
+    /// The one-shot all-reduce over peer memory (custom_all_reduce.rs).
+    pub custom_all_reduce: F,
+    pub custom_all_reduce_add_rms_norm: F,
 }
 
 /// `each` of `items`, in order, as an array: a family of kernels instantiated for each
@@ -123,6 +126,8 @@ impl<F> Functions<F> {
             sample_fast_draw: f("sample_fast_draw")?,
             sample_fast_top: f("sample_fast_top")?,
             sample_fast_draw_top: f("sample_fast_draw_top")?,
+            custom_all_reduce: f("custom_all_reduce")?,
+            custom_all_reduce_add_rms_norm: f("custom_all_reduce_add_rms_norm")?,
         })
     }
 }

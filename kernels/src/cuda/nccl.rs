@@ -40,6 +40,7 @@ pub type RawComm = *mut c_void;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
 pub enum DataType {
+    Uint8 = 1,
     Float16 = 6,
     Float32 = 7,
     Bfloat16 = 9,

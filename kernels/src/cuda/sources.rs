@@ -26,6 +26,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("thin_gemm.cu", include_str!("csrc/thin_gemm.cu")),
     ("sampling.cu", include_str!("csrc/sampling.cu")),
     ("sampling_fast.cu", include_str!("csrc/sampling_fast.cu")),
+    (
+        "custom_all_reduce.cu",
+        include_str!("csrc/custom_all_reduce.cu"),
+    ),
 ];
 
 /// The whole translation unit, with `#line` markers so NVRTC errors name the real file.

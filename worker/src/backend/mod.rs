@@ -210,6 +210,18 @@ pub trait Backend {
     /// Sums `x` over the tensor-parallel ranks (after a row-parallel layer or the
     /// vocab-parallel embedding). Identity on world size 1.
     fn all_reduce(&self, x: &mut Self::Tensor) -> Result<()>;
+    /// `all_reduce(x)`, then `fused_add_rms_norm(x, residual, weight, eps)`: what follows
+    /// every row-parallel projection, one kernel where the backend has one.
+    fn all_reduce_add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        residual: &mut Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<()> {
+        self.all_reduce(x)?;
+        self.fused_add_rms_norm(x, residual, weight, eps)
+    }
     /// Each rank's [rows, cols] side by side in rank order: [rows, world_size · cols] (the
     /// vocab-parallel logits). Identity on world size 1.
     fn all_gather_cols(&self, x: Self::Tensor) -> Result<Self::Tensor>;

@@ -1,17 +1,27 @@
 //! `NcclCommunicator`: the CUDA backend's collectives, NCCL on the backend's one stream, so
 //! they are ordered with the kernels around them and the host never waits for them.
 //!
+//! All-reduces of decode-sized messages take the one-shot kernel over peer memory instead
+//! (`CustomAllReduce`, where every pair of the group's GPUs reaches the other's memory and
+//! `--disable-custom-all-reduce` is not given): NCCL's latency is most of their cost.
+//!
 //! A hung collective (a peer stopped or lost) keeps the GPU spinning and the host waiting
 //! for ever; [`NcclAbort`] lets the worker's watchdog abort the communicator from another
-//! thread, which makes NCCL's kernels return so that the step fails instead.
+//! thread, which makes NCCL's kernels return, and the custom all-reduce's barrier leave,
+//! so that the step fails instead.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use vllm_kernels::cuda::device::driver_error;
 use vllm_kernels::cuda::nccl::{DataType, Nccl, RawComm, UniqueId};
-use vllm_kernels::cuda::DType;
+use vllm_kernels::cuda::{AbortWord, CudaDevice, CudaOps, CustomAllReduce, DType};
+
+/// The largest all-reduce the custom kernel takes: 256 decode tokens of a 4096-wide model
+/// in bf16 are 2 MiB (see docs/BENCHMARKS.md for where it stops beating NCCL).
+pub const CUSTOM_ALL_REDUCE_MAX_BYTES: usize = 2 << 20;
 
 use super::Communicator;
 use crate::backend::cuda::CudaTensor;
@@ -21,6 +31,8 @@ pub struct NcclAbort {
     nccl: &'static Nccl,
     comm: RawComm,
     aborted: AtomicBool,
+    /// The custom all-reduce's abort word, where it runs.
+    custom: OnceLock<Arc<AbortWord>>,
 }
 
 // SAFETY: an ncclComm_t may be aborted from any thread (NCCL's documented way to end a
@@ -33,6 +45,9 @@ impl NcclAbort {
     /// Aborts the communicator: its operations in flight end, and it may not be used again.
     pub fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
+            if let Some(word) = self.custom.get() {
+                word.set();
+            }
             // SAFETY: the comm is live (not yet aborted), and after this only `Drop`
             // looks at it, which sees `aborted`.
             if let Err(e) = unsafe { self.nccl.comm_abort(self.comm) } {
@@ -55,10 +70,20 @@ impl Drop for NcclAbort {
 
 pub struct NcclCommunicator {
     handle: Arc<NcclAbort>,
+    custom: Option<CustomAllReduce>,
     stream: Arc<CudaStream>,
     dtype: DType,
     rank: usize,
     world_size: usize,
+}
+
+/// Whether the group's all-reduces may take the custom kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CustomAllReduceMode {
+    /// Where the GPUs reach each other's memory.
+    Auto,
+    /// NCCL only (`--disable-custom-all-reduce`).
+    Disabled,
 }
 
 fn nccl_type(dtype: DType) -> DataType {
@@ -75,15 +100,16 @@ impl NcclCommunicator {
         Ok(Nccl::get()?.unique_id()?.to_bytes())
     }
 
-    /// Joins the group; blocks until all `world_size` ranks have joined. The stream's
-    /// context must be current on this thread (it is: the backend bound it).
+    /// Joins the group; blocks until all `world_size` ranks have joined, and then until
+    /// they have swapped the custom all-reduce's buffers.
     pub fn join(
         unique_id: &[u8],
         rank: usize,
         world_size: usize,
-        stream: Arc<CudaStream>,
-        dtype: DType,
+        (dev, ops): (&CudaDevice, &CudaOps),
+        mode: CustomAllReduceMode,
     ) -> Result<Self> {
+        let (stream, dtype) = (dev.stream.clone(), ops.dtype);
         let nccl = Nccl::get()?;
         let id = UniqueId::from_bytes(unique_id)?;
         stream
@@ -97,17 +123,107 @@ impl NcclCommunicator {
             nccl_version = nccl.version,
             "joined the NCCL group"
         );
-        Ok(Self {
+        let mut group = Self {
             handle: Arc::new(NcclAbort {
                 nccl,
                 comm,
                 aborted: AtomicBool::new(false),
+                custom: OnceLock::new(),
             }),
+            custom: None,
             stream,
             dtype,
             rank,
             world_size,
-        })
+        };
+        if mode == CustomAllReduceMode::Auto && CustomAllReduce::peers_reachable(world_size)? {
+            let custom = CustomAllReduce::new(
+                dev,
+                ops,
+                rank,
+                world_size,
+                CUSTOM_ALL_REDUCE_MAX_BYTES,
+                |record| group.all_gather_bytes(record),
+            )
+            .context("setting up the custom all-reduce")?;
+            let _ = group.handle.custom.set(custom.abort_word());
+            group.custom = Some(custom);
+        }
+        tracing::info!(
+            rank,
+            custom_all_reduce = group.custom.is_some(),
+            max_bytes = CUSTOM_ALL_REDUCE_MAX_BYTES,
+            "all-reduce of small messages: {}",
+            if group.custom.is_some() {
+                "one-shot kernel over peer memory"
+            } else if mode == CustomAllReduceMode::Disabled {
+                "NCCL (--disable-custom-all-reduce)"
+            } else {
+                "NCCL (the GPUs cannot reach each other's memory)"
+            }
+        );
+        Ok(group)
+    }
+
+    /// Every rank's `bytes` (one length on all ranks), in rank order, through NCCL.
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+        let (nccl, comm) = self.live()?;
+        let send = self
+            .stream
+            .clone_htod(bytes)
+            .map_err(|e| driver_error("uploading the peer record", e))?;
+        let mut recv = self
+            .stream
+            .alloc_zeros::<u8>(bytes.len() * self.world_size)
+            .map_err(|e| driver_error("allocating the peer records", e))?;
+        {
+            let (src, _g0) = send.device_ptr(&self.stream);
+            let (dst, _g1) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: src holds bytes.len() bytes, dst world_size times that, on this stream.
+            unsafe {
+                nccl.all_gather(
+                    src,
+                    dst,
+                    bytes.len(),
+                    DataType::Uint8,
+                    comm,
+                    self.raw_stream(),
+                )?
+            };
+        }
+        self.stream
+            .clone_dtoh(&recv)
+            .map_err(|e| driver_error("downloading the peer records", e))
+    }
+
+    /// The all-reduce of `x` fused with `residual += x; x = rms_norm(residual)`, where
+    /// the custom kernel takes it (false: the caller runs the two).
+    pub fn all_reduce_add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        residual: &mut CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<bool> {
+        let (rows, hidden) = (x.rows(), x.cols());
+        let Some(custom) = self.custom.as_ref().filter(|c| c.fits_norm(rows, hidden)) else {
+            return Ok(false);
+        };
+        self.live()?;
+        custom.all_reduce_add_rms_norm(
+            &mut x.buf,
+            &mut residual.buf,
+            &weight.buf,
+            rows,
+            hidden,
+            eps,
+        )?;
+        Ok(true)
+    }
+
+    /// Whether small all-reduces take the custom kernel.
+    pub fn custom_all_reduce_on(&self) -> bool {
+        self.custom.is_some()
     }
 
     /// For the watchdog.
@@ -141,6 +257,13 @@ impl Communicator for NcclCommunicator {
     fn all_reduce(&self, x: &mut CudaTensor) -> Result<()> {
         let (nccl, comm) = self.live()?;
         let n = x.numel();
+        if let Some(custom) = self
+            .custom
+            .as_ref()
+            .filter(|c| c.fits(n * self.dtype.size()))
+        {
+            return custom.all_reduce(&mut x.buf, n * self.dtype.size());
+        }
         let (p, _g) = x.buf.device_ptr_mut(&self.stream);
         // SAFETY: in place over `x`'s n elements of the backend dtype, on its stream.
         unsafe { nccl.all_reduce_sum(p, p, n, nccl_type(self.dtype), comm, self.raw_stream()) }

@@ -2,7 +2,8 @@
 //!
 //! Column-parallel layers (`QKVParallelLinear`, `MergedColumnParallelLinear`) keep this
 //! rank's slice of output rows and need no communication. `RowParallelLinear` keeps a
-//! slice of input columns and sums partial outputs across ranks with `Backend::all_reduce`.
+//! slice of input columns; its partial outputs are summed across ranks by the norm that
+//! follows it (`Backend::all_reduce_add_rms_norm`, one kernel where the backend fuses them).
 //! With tp size 1 every shard is the whole tensor.
 
 use anyhow::{ensure, Result};
@@ -126,9 +127,9 @@ impl<B: Backend> RowParallelLinear<B> {
         })
     }
 
-    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let mut y = b.linear(x, &self.weight, None)?;
-        b.all_reduce(&mut y)?;
-        Ok(y)
+    /// This rank's partial output: the caller sums it over the ranks, with the norm that
+    /// follows (`RmsNorm::forward_reduce_residual`).
+    pub fn forward_partial(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        b.linear(x, &self.weight, None)
     }
 }

@@ -1,4 +1,5 @@
-//! RMSNorm with its weight: plain, fused with the residual add, or per head (q/k norm).
+//! RMSNorm with its weight: plain, fused with the tensor-parallel sum and the residual add,
+//! or per head (q/k norm).
 
 use anyhow::Result;
 
@@ -23,14 +24,15 @@ impl<B: Backend> RmsNorm<B> {
         b.rms_norm(x, &self.weight, self.eps)
     }
 
-    /// `residual += x; x = norm(residual)`.
-    pub fn forward_residual(
+    /// `x` summed over the tensor-parallel ranks (a row-parallel projection's partial
+    /// output), then `residual += x; x = norm(residual)`.
+    pub fn forward_reduce_residual(
         &self,
         b: &B,
         x: &mut B::Tensor,
         residual: &mut B::Tensor,
     ) -> Result<()> {
-        b.fused_add_rms_norm(x, residual, &self.weight, self.eps)
+        b.all_reduce_add_rms_norm(x, residual, &self.weight, self.eps)
     }
 
     /// The weight and eps, for an op that fuses the norm (per-head q/k norm).

@@ -95,7 +95,7 @@ impl<B: Backend> LlamaAttention<B> {
             &meta.slot_mapping,
         )?;
         let out = self.attn.forward(b, &q, layer_cache, &shape, meta)?;
-        self.o_proj.forward(b, &out)
+        self.o_proj.forward_partial(b, &out)
     }
 }
 
@@ -116,7 +116,7 @@ impl<B: Backend> LlamaMlp<B> {
 
     fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let act = self.gate_up_proj.forward_silu_and_mul(b, x)?;
-        self.down_proj.forward(b, &act)
+        self.down_proj.forward_partial(b, &act)
     }
 }
 
@@ -201,7 +201,7 @@ impl<B: Backend> LlamaForCausalLM<B> {
                 Some(mut h) => {
                     layer
                         .input_layernorm
-                        .forward_residual(b, &mut h, &mut residual)?;
+                        .forward_reduce_residual(b, &mut h, &mut residual)?;
                     h
                 }
             };
@@ -210,12 +210,13 @@ impl<B: Backend> LlamaForCausalLM<B> {
                 .forward(b, &normed, &self.rotary, cache, n, meta)?;
             layer
                 .post_attention_layernorm
-                .forward_residual(b, &mut h, &mut residual)?;
+                .forward_reduce_residual(b, &mut h, &mut residual)?;
             x = Some(layer.mlp.forward(b, &h)?);
         }
         match x {
             Some(mut h) => {
-                self.norm.forward_residual(b, &mut h, &mut residual)?;
+                self.norm
+                    .forward_reduce_residual(b, &mut h, &mut residual)?;
                 Ok(h)
             }
             None => self.norm.forward(b, &residual),

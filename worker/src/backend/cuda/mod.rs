@@ -30,6 +30,7 @@ use step_buffers::StepBuffers;
 pub use tensor::{CudaInts, CudaTensor, DevicePlan};
 
 use super::{Backend, StepCapacity, StepInputs, StepMetadata};
+use crate::communicator::nccl::CustomAllReduceMode;
 use crate::communicator::{Communicator, NcclCommunicator};
 use crate::sampler::seeded_uniform;
 use crate::weights::{DummyRegion, HostTensor, WeightTensor};
@@ -41,6 +42,23 @@ const THIN_GEMM_ROWS: std::ops::RangeInclusive<usize> = (GEMV_PAYS_MAX_M + 1)..=
 /// CUDA devices the driver reports; 0 without a driver (`--device auto`).
 pub fn device_count() -> usize {
     vllm_kernels::cuda::libs::device_count()
+}
+
+/// (rows, hidden) of a residual add + RMSNorm: `x` and `residual` one shape, each row
+/// the weight's length.
+fn residual_norm_shape(
+    x: &CudaTensor,
+    residual: &CudaTensor,
+    weight: &CudaTensor,
+) -> Result<(usize, usize)> {
+    let hidden = weight.numel();
+    ensure!(
+        x.shape == residual.shape && x.cols() == hidden,
+        "residual add + RMSNorm: x {:?}, residual {:?}, weight {hidden}",
+        x.shape,
+        residual.shape
+    );
+    Ok((x.rows(), hidden))
 }
 
 pub struct CudaBackend {
@@ -86,13 +104,19 @@ impl CudaBackend {
 
     /// Joins the tensor-parallel group of `unique_id` as `rank` of `world_size`; blocks
     /// until every rank has joined.
-    pub fn join_group(&mut self, unique_id: &[u8], rank: u32, world_size: u32) -> Result<()> {
+    pub fn join_group(
+        &mut self,
+        unique_id: &[u8],
+        rank: u32,
+        world_size: u32,
+        custom_all_reduce: CustomAllReduceMode,
+    ) -> Result<()> {
         self.comm = Some(NcclCommunicator::join(
             unique_id,
             rank as usize,
             world_size as usize,
-            self.dev.stream.clone(),
-            self.dtype,
+            (&self.dev, &self.ops),
+            custom_all_reduce,
         )?);
         Ok(())
     }
@@ -437,14 +461,7 @@ impl Backend for CudaBackend {
         weight: &CudaTensor,
         eps: f32,
     ) -> Result<()> {
-        let hidden = weight.numel();
-        ensure!(
-            x.shape == residual.shape && x.cols() == hidden,
-            "fused_add_rms_norm: x {:?}, residual {:?}, weight {hidden}",
-            x.shape,
-            residual.shape
-        );
-        let rows = x.rows();
+        let (rows, hidden) = residual_norm_shape(x, residual, weight)?;
         self.ops.fused_add_rms_norm(
             &mut x.buf,
             &mut residual.buf,
@@ -635,6 +652,23 @@ impl Backend for CudaBackend {
             Some(c) => c.all_reduce(x),
             None => Ok(()),
         }
+    }
+
+    fn all_reduce_add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        residual: &mut CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<()> {
+        if let Some(c) = &self.comm {
+            residual_norm_shape(x, residual, weight)?;
+            if c.all_reduce_add_rms_norm(x, residual, weight, eps)? {
+                return Ok(());
+            }
+        }
+        self.all_reduce(x)?;
+        self.fused_add_rms_norm(x, residual, weight, eps)
     }
 
     fn all_gather_cols(&self, x: CudaTensor) -> Result<CudaTensor> {

@@ -1,10 +1,16 @@
-//! NCCL collectives of the tensor-parallel communicator against the host, and their
-//! latency at the model's message sizes (2+ GPUs).
+//! The tensor-parallel communicator's collectives (NCCL, and the custom all-reduce over
+//! peer memory) against the host, and their latency at the model's message sizes (2+ GPUs).
 
 use super::*;
+use crate::backend::cuda::CudaTensor;
+use crate::communicator::nccl::CustomAllReduceMode;
 
-/// Runs `f(rank, backend)` on one thread per GPU, the backends joined in one NCCL group.
-fn on_gpus<T: Send>(n: usize, f: impl Fn(usize, &CudaBackend) -> T + Sync) -> Vec<T> {
+/// Runs `f(rank, backend)` on one thread per GPU, the backends joined in one group.
+fn on_gpus<T: Send>(
+    n: usize,
+    mode: CustomAllReduceMode,
+    f: impl Fn(usize, &CudaBackend) -> T + Sync,
+) -> Vec<T> {
     let id = crate::communicator::NcclCommunicator::unique_id().expect("NCCL unique id");
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
@@ -12,7 +18,7 @@ fn on_gpus<T: Send>(n: usize, f: impl Fn(usize, &CudaBackend) -> T + Sync) -> Ve
                 let (f, id) = (&f, &id);
                 s.spawn(move || {
                     let mut b = CudaBackend::new(rank as u32, DType::BF16).expect("backend");
-                    b.join_group(id, rank as u32, n as u32).expect("join");
+                    b.join_group(id, rank as u32, n as u32, mode).expect("join");
                     f(rank, &b)
                 })
             })
@@ -51,7 +57,7 @@ fn nccl_collectives_match_the_host() {
         return;
     };
     let len = 3 * 4096 + 5;
-    let results = on_gpus(n, |rank, b| {
+    let results = on_gpus(n, CustomAllReduceMode::Disabled, |rank, b| {
         let comm = b.communicator().expect("joined");
         let mut x = b
             .upload(&HostTensor::new(vec![1, len], rank_values(rank, len)))
@@ -89,8 +95,215 @@ fn nccl_collectives_match_the_host() {
     println!("NCCL-CHECK {n} GPUs: all-reduce, all-gather, broadcast equal the host");
 }
 
+/// Random values of one rank and call, as bf16 holds them (poison: nothing here is zero
+/// or exact in a sum).
+fn random_bf16(rank: usize, call: usize, n: usize) -> Vec<f32> {
+    let seed = (rank * 1000 + call) as u64;
+    (0..n as u64)
+        .map(|i| {
+            // splitmix64 of (seed, i), its top 24 bits as a uniform in [-4, 4).
+            let mut z = (seed << 32 ^ i).wrapping_add(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            let u = ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32;
+            half::bf16::from_f32(u * 8.0 - 4.0).to_f32()
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs: scripts/gpu_round.sh runs it with --ignored"]
+fn custom_all_reduce_matches_the_host() {
+    let Some(n) = gpus_for_collectives() else {
+        return;
+    };
+    let hidden = 4096;
+    // Sizes change from call to call, so that a block's chunks move between calls while
+    // the slots alternate, and calls switch between the low-latency lines (up to 16
+    // tokens, 128 KiB) and the staged buffers; the last size is past the kernel (NCCL).
+    let tokens = [1usize, 256, 3, 16, 17, 8, 256, 1, 64, 1, 2, 513];
+    let results = on_gpus(n, CustomAllReduceMode::Auto, |rank, b| {
+        let comm = b.communicator().expect("joined");
+        assert!(
+            comm.custom_all_reduce_on(),
+            "the custom all-reduce is off on GPUs that should reach each other"
+        );
+        tokens
+            .iter()
+            .enumerate()
+            .map(|(call, &t)| {
+                let v = random_bf16(rank, call, t * hidden);
+                let mut x = b.upload(&HostTensor::new(vec![t, hidden], v)).expect("up");
+                comm.all_reduce(&mut x).expect("all-reduce");
+                b.to_host(&x).expect("x").data
+            })
+            .collect::<Vec<_>>()
+    });
+    for (call, &t) in tokens.iter().enumerate() {
+        // The kernel's sum: f32 in rank order, rounded once.
+        let inputs: Vec<Vec<f32>> = (0..n).map(|r| random_bf16(r, call, t * hidden)).collect();
+        let want: Vec<f32> = (0..t * hidden)
+            .map(|i| {
+                let s: f32 = inputs.iter().map(|v| v[i]).sum();
+                half::bf16::from_f32(s).to_f32()
+            })
+            .collect();
+        for (rank, got) in results.iter().enumerate() {
+            let bad = (0..want.len())
+                .filter(|&i| got[call][i].to_bits() != want[i].to_bits())
+                .count();
+            assert_eq!(
+                bad, 0,
+                "rank {rank}, call {call} ({t} tokens): {bad} elements differ from the host"
+            );
+        }
+    }
+    println!(
+        "CUSTOM-ALLREDUCE-CHECK {n} GPUs: {} calls of 1-513 tokens equal the host bit for bit",
+        tokens.len()
+    );
+}
+
+/// A peer that never joins (a dead rank): the watchdog's abort must free the waiting
+/// kernel, and the communicator must refuse further work, instead of hanging the rank.
+#[test]
+#[ignore = "needs 2 CUDA GPUs: scripts/gpu_round.sh runs it with --ignored"]
+fn custom_all_reduce_leaves_when_aborted() {
+    let Some(n) = gpus_for_collectives() else {
+        return;
+    };
+    // The other ranks keep their buffers (which rank 0's kernel writes into) until it is done.
+    let done = std::sync::Barrier::new(n);
+    let waited = on_gpus(n, CustomAllReduceMode::Auto, |rank, b| {
+        let comm = b.communicator().expect("joined");
+        assert!(comm.custom_all_reduce_on(), "the custom all-reduce is off");
+        if rank != 0 {
+            done.wait(); // never joins the all-reduce
+            return None;
+        }
+        let mut x = b
+            .upload(&HostTensor::new(vec![1, 4096], rank_values(0, 4096)))
+            .expect("up");
+        let abort = comm.abort_handle();
+        let watchdog = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            abort.abort();
+        });
+        let t = std::time::Instant::now();
+        comm.all_reduce(&mut x).expect("the launch itself succeeds");
+        b.dev.synchronize().expect("the kernel leaves once aborted");
+        let waited = t.elapsed();
+        watchdog.join().expect("watchdog thread");
+        let err = comm
+            .all_reduce(&mut x)
+            .expect_err("an aborted group refuses work");
+        assert!(format!("{err:#}").contains("aborted"), "{err:#}");
+        done.wait();
+        Some(waited)
+    });
+    let waited = waited[0].expect("rank 0 waited");
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "rank 0 waited {waited:?} for a peer that never came"
+    );
+    println!("CUSTOM-ALLREDUCE-ABORT-CHECK: a missing peer's all-reduce left {waited:?} after it began (abort at 500 ms)");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs: scripts/gpu_round.sh runs it with --ignored"]
+fn custom_all_reduce_norm_equals_the_two_ops() {
+    let Some(n) = gpus_for_collectives() else {
+        return;
+    };
+    // (rows, hidden): 33 rows is past the fused kernel (the plain one and the norm's).
+    let shapes = [
+        (1usize, 4096usize),
+        (5, 4096),
+        (32, 4096),
+        (3, 1024),
+        (2, 8192),
+        (33, 4096),
+    ];
+    let results = on_gpus(n, CustomAllReduceMode::Auto, |rank, b| {
+        let comm = b.communicator().expect("joined");
+        let mut out = Vec::new();
+        for (call, &(rows, hidden)) in shapes.iter().enumerate() {
+            let up =
+                |v: Vec<f32>, shape: Vec<usize>| b.upload(&HostTensor::new(shape, v)).expect("up");
+            let x = random_bf16(rank, call, rows * hidden);
+            // The residual and the weight are the same on every rank, as in the model.
+            let res = random_bf16(100, call, rows * hidden);
+            let w = up(random_bf16(200, call, hidden), vec![hidden]);
+            let (mut x1, mut r1) = (
+                up(x.clone(), vec![rows, hidden]),
+                up(res.clone(), vec![rows, hidden]),
+            );
+            b.all_reduce_add_rms_norm(&mut x1, &mut r1, &w, 1e-6)
+                .expect("fused");
+            let (mut x2, mut r2) = (up(x, vec![rows, hidden]), up(res, vec![rows, hidden]));
+            comm.all_reduce(&mut x2).expect("all-reduce");
+            b.fused_add_rms_norm(&mut x2, &mut r2, &w, 1e-6)
+                .expect("norm");
+            let host = |t: &CudaTensor| b.to_host(t).expect("down").data;
+            out.push([host(&x1), host(&r1), host(&x2), host(&r2)]);
+        }
+        out
+    });
+    for (call, &(rows, hidden)) in shapes.iter().enumerate() {
+        for (rank, r) in results.iter().enumerate() {
+            let [x1, r1, x2, r2] = &r[call];
+            let differ = |a: &[f32], b: &[f32]| {
+                a.iter()
+                    .zip(b)
+                    .filter(|(p, q)| p.to_bits() != q.to_bits())
+                    .count()
+            };
+            assert!(
+                x1.iter().all(|v| v.is_finite()),
+                "rank {rank}, {rows} x {hidden}: non-finite output"
+            );
+            assert_eq!(
+                differ(x1, x2),
+                0,
+                "rank {rank}, {rows} x {hidden}: normed x differs"
+            );
+            assert_eq!(
+                differ(r1, r2),
+                0,
+                "rank {rank}, {rows} x {hidden}: residual differs"
+            );
+            assert_eq!(
+                differ(x1, &results[0][call][0]),
+                0,
+                "rank {rank} differs from rank 0"
+            );
+        }
+    }
+    println!(
+        "CUSTOM-ALLREDUCE-NORM-CHECK {n} GPUs: fused all-reduce + add + RMSNorm equals the two ops bit for bit ({} shapes)",
+        shapes.len()
+    );
+}
+
+/// Seconds a call of `f`, queued `iters` times after 20 warm-up calls.
+fn time_calls(b: &CudaBackend, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..20 {
+        f();
+    }
+    b.dev.synchronize().expect("sync");
+    let t = std::time::Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    b.dev.synchronize().expect("sync");
+    t.elapsed().as_secs_f64() / iters as f64
+}
+
 /// All-reduce latency at the model's message sizes (hidden 4096 bf16 × tokens), through
-/// the communicator the model uses, as `BENCH allreduce` lines.
+/// the communicator the model uses, NCCL alone and then with the custom kernel, as
+/// `BENCH allreduce` lines; then the all-reduce with the residual add and RMSNorm after
+/// it (`all_reduce_add_rms_norm`: NCCL and the norm's kernel, or the fused kernel) at
+/// decode sizes, as `BENCH allreduce+norm` lines.
 #[test]
 #[ignore = "needs 2 CUDA GPUs: scripts/gpu_round.sh runs it with --ignored"]
 fn nccl_all_reduce_bench() {
@@ -98,38 +311,43 @@ fn nccl_all_reduce_bench() {
         return;
     };
     let hidden = 4096;
-    let rows = on_gpus(n, |rank, b| {
-        let comm = b.communicator().expect("joined");
-        let mut out = Vec::new();
-        for tokens in [1usize, 8, 32, 128, 256, 1024, 4096] {
-            let mut x = b
-                .upload(&HostTensor::new(
-                    vec![tokens, hidden],
-                    rank_values(rank, tokens * hidden),
-                ))
-                .expect("upload");
-            for _ in 0..20 {
-                comm.all_reduce(&mut x).expect("warm-up");
+    for (kind, mode) in [
+        ("nccl", CustomAllReduceMode::Disabled),
+        ("custom", CustomAllReduceMode::Auto),
+    ] {
+        let rows = on_gpus(n, mode, |rank, b| {
+            let comm = b.communicator().expect("joined");
+            let up = |v: Vec<f32>, shape: Vec<usize>| {
+                b.upload(&HostTensor::new(shape, v)).expect("upload")
+            };
+            let mut out = Vec::new();
+            for tokens in [1usize, 8, 16, 32, 64, 128, 256, 1024, 4096] {
+                let mut x = up(rank_values(rank, tokens * hidden), vec![tokens, hidden]);
+                let iters = if tokens <= 256 { 500 } else { 100 };
+                let secs = time_calls(b, iters, || comm.all_reduce(&mut x).expect("all-reduce"));
+                out.push(("allreduce", tokens, secs));
             }
-            b.dev.synchronize().expect("sync");
-            let iters = if tokens <= 256 { 500 } else { 100 };
-            let t = std::time::Instant::now();
-            for _ in 0..iters {
-                comm.all_reduce(&mut x).expect("all-reduce");
+            let w = up(random_bf16(200, 0, hidden), vec![hidden]);
+            for tokens in [1usize, 8, 32] {
+                let mut x = up(random_bf16(rank, 0, tokens * hidden), vec![tokens, hidden]);
+                let mut r = up(random_bf16(100, 0, tokens * hidden), vec![tokens, hidden]);
+                let secs = time_calls(b, 500, || {
+                    b.all_reduce_add_rms_norm(&mut x, &mut r, &w, 1e-6)
+                        .expect("all-reduce + norm")
+                });
+                out.push(("allreduce+norm", tokens, secs));
             }
-            b.dev.synchronize().expect("sync");
-            out.push((tokens, t.elapsed().as_secs_f64() / iters as f64));
+            out
+        });
+        for (i, &(what, tokens, _)) in rows[0].iter().enumerate() {
+            let secs = rows.iter().map(|r| r[i].2).fold(0.0, f64::max);
+            let bytes = (tokens * hidden * 2) as f64;
+            // nccl-tests' bus bandwidth of an all-reduce: bytes · 2(n-1)/n over the time.
+            let busbw = bytes * 2.0 * (n - 1) as f64 / n as f64 / secs / 1e9;
+            println!(
+                "BENCH {what} kind={kind} ranks={n} tokens={tokens} bytes={bytes:.0} time={:.2}us busbw={busbw:.1}GB/s",
+                secs * 1e6
+            );
         }
-        out
-    });
-    for (i, &(tokens, _)) in rows[0].iter().enumerate() {
-        let secs = rows.iter().map(|r| r[i].1).fold(0.0, f64::max);
-        let bytes = (tokens * hidden * 2) as f64;
-        // nccl-tests' bus bandwidth of an all-reduce: bytes · 2(n-1)/n over the time.
-        let busbw = bytes * 2.0 * (n - 1) as f64 / n as f64 / secs / 1e9;
-        println!(
-            "BENCH allreduce ranks={n} tokens={tokens} bytes={bytes:.0} time={:.2}us busbw={busbw:.1}GB/s",
-            secs * 1e6
-        );
     }
 }

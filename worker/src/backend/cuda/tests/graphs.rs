@@ -70,6 +70,7 @@ fn runner_for(
         attention_backend: Default::default(),
         execute_model_timeout_s: 300.0,
         enforce_eager,
+        disable_custom_all_reduce: false,
     };
     let mut r = ModelRunner::load_cuda(&cfg, None).unwrap();
     r.backend_mut().ops.pdl &= pdl;

@@ -1,0 +1,249 @@
+// A one-shot all-reduce over peer memory (vLLM's custom all-reduce, one stage), for the
+// small messages of decode steps, where NCCL's latency (about 11 µs a call) is most of
+// the cost. Every rank reads all ranks' x and sums them in rank order in f32, so all
+// ranks hold the same bits. Two ways to move x:
+//
+// - Low-latency lines (NCCL's LL protocol), for the smallest messages: each rank stores its x
+//   straight into every rank's receive buffer as 16-byte lines of 8 data bytes and two
+//   copies of the call number, and readers poll their own memory until a line carries
+//   this call's number. No fence and no barrier: one NVLink crossing a call. (A 16-byte
+//   store may land as two 8-byte halves, so each half carries the number.)
+// - Staged, past that: each rank copies its x into its own staging buffer, the ranks meet
+//   at a barrier of flags written into each other's memory, and every rank reads the
+//   peers' buffers. Half the bytes of the lines, two more crossings: on two H100s the
+//   lines took 4.7 µs a call at 8-64 KB and the staged buffers 6.0-6.3, but at 256 KB
+//   7.2 against 6.3 (docs/BENCHMARKS.md); the host picks (`lines`).
+//
+// The grid is always CAR_BLOCKS blocks, and block b of every rank handles the same
+// 16-byte chunks of x on every rank. Each block keeps its own call counter (`epochs`,
+// this rank's memory), the same on every rank because every rank makes the same calls.
+// Buffers alternate between two slots by the counter's parity, so that no rank writes a
+// slot a peer may still read: a rank starts call e only after its call e-1 read something
+// the peers wrote in their call e-1, which they wrote after their `pdl_enter`, so after
+// every read of call e-2 had ended.
+//
+// A peer that never arrives (a process died) would keep a block waiting; it also polls
+// `abort`, host memory the worker's watchdog sets when a step hangs, and leaves. The step
+// then fails (the watchdog reports it), as with NCCL's own abort.
+//
+// `custom_all_reduce_add_rms_norm` is the same all-reduce (low-latency lines) fused with
+// the residual add and RMSNorm that follow every row-parallel projection
+// (fused_add_rms_norm of norm.cu, bit for bit): a block a row, saving the norm's launch.
+
+#define CAR_MAX_RANKS 8
+#define CAR_BLOCKS 32
+#define CAR_THREADS 512
+
+// The group: what every call of either kernel shares.
+struct CarGroup {
+    const scalar_t* data[CAR_MAX_RANKS];  // every rank's two staging slots
+    unsigned int* flags[CAR_MAX_RANKS];   // every rank's flags: [CAR_BLOCKS][CAR_MAX_RANKS]
+    uint4* lines[CAR_MAX_RANKS];          // every rank's receive lines: [2][world][ll_lines]
+    unsigned int* epochs;                 // this rank's [CAR_BLOCKS] call counters
+    const unsigned int* abort;            // host-mapped; nonzero: leave
+    long long slot_chunks;                // 16-byte chunks of one staging slot
+    long long ll_max_chunks;              // 16-byte chunks of x the lines hold
+    int rank;
+    int world_size;
+};
+
+struct CustomAllReduceArgs {
+    CarGroup g;
+    scalar_t* x;       // [n] this rank's x; the sum, in place
+    long long chunks;  // 16-byte chunks of x
+    int lines;         // nonzero: low-latency lines (chunks <= ll_max_chunks), else staged
+};
+
+struct CustomAllReduceNormArgs {
+    CarGroup g;
+    scalar_t* x;         // [rows, hidden] this rank's x; the normed sum, in place
+    scalar_t* residual;  // [rows, hidden] += the sum
+    const scalar_t* weight;
+    int rows;    // at most CAR_BLOCKS
+    int hidden;  // whole 16-byte chunks, one a thread
+    float eps;
+};
+
+__device__ __forceinline__ void store_release_sys(unsigned int* p, unsigned int v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned int load_acquire_sys(const unsigned int* p) {
+    unsigned int v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Not through L1, which does not see the peers' writes.
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void store_volatile(uint4* p, uint4 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+// Whether the watchdog asked us to leave; read over PCIe (about a microsecond), so only
+// once every 4,096 tries of a wait.
+__device__ __forceinline__ bool aborted(const CarGroup& g, unsigned int tries) {
+    return (tries & 4095u) == 0u && *(volatile const unsigned int*)g.abort != 0u;
+}
+
+// This block's call number (after pdl_enter: the last call's kernel has completed).
+__device__ __forceinline__ unsigned int car_begin(const CarGroup& g) {
+    __shared__ unsigned int s_epoch;
+    if (threadIdx.x == 0) s_epoch = g.epochs[blockIdx.x] + 1;
+    __syncthreads();
+    return s_epoch;
+}
+
+__device__ __forceinline__ void car_end(const CarGroup& g, unsigned int epoch) {
+    if (threadIdx.x == 0) g.epochs[blockIdx.x] = epoch;
+}
+
+// ---- Low-latency lines ----
+
+// Where rank `dst` receives rank `src`'s line pair of chunk i in this call.
+__device__ __forceinline__ uint4* ll_at(const CarGroup& g, int dst, int src,
+                                        unsigned int epoch, long long i) {
+    const long long lines = 2 * g.ll_max_chunks;
+    return g.lines[dst] + ((long long)(epoch & 1) * g.world_size + src) * lines + 2 * i;
+}
+
+// Chunk v of x, sent to every rank as two lines tagged with the call number.
+__device__ __forceinline__ void ll_send(const CarGroup& g, unsigned int epoch, long long i,
+                                        uint4 v) {
+    const uint4 lo = make_uint4(v.x, epoch, v.y, epoch), hi = make_uint4(v.z, epoch, v.w, epoch);
+    for (int r = 0; r < g.world_size; ++r) {
+        uint4* p = ll_at(g, r, g.rank, epoch, i);
+        store_volatile(p, lo);
+        store_volatile(p + 1, hi);
+    }
+}
+
+// One received line, once it carries this call's number in both halves.
+__device__ __forceinline__ uint2 ll_wait(const CarGroup& g, const uint4* p, unsigned int epoch) {
+    uint4 v = load_volatile(p);
+    for (unsigned int tries = 1; v.y != epoch || v.w != epoch; ++tries) {
+        if (aborted(g, tries)) break;
+        v = load_volatile(p);
+    }
+    return make_uint2(v.x, v.z);
+}
+
+// Chunk i summed over the ranks in rank order, in f32, from this rank's lines.
+__device__ __forceinline__ void ll_sum(const CarGroup& g, unsigned int epoch, long long i,
+                                       float (&acc)[VEC16]) {
+    for (int r = 0; r < g.world_size; ++r) {
+        const uint4* p = ll_at(g, g.rank, r, epoch, i);
+        const uint2 lo = ll_wait(g, p, epoch), hi = ll_wait(g, p + 1, epoch);
+        float v[VEC16];
+        unpack16(make_uint4(lo.x, lo.y, hi.x, hi.y), v);
+#pragma unroll
+        for (int e = 0; e < VEC16; ++e) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
+    }
+}
+
+// ---- Staged buffers and a barrier ----
+
+// Rank r's staging slot of this call.
+__device__ __forceinline__ uint4* staged_slot(const CarGroup& g, int r, unsigned int epoch) {
+    return const_cast<uint4*>(reinterpret_cast<const uint4*>(g.data[r])) +
+           (long long)(epoch & 1) * g.slot_chunks;
+}
+
+// Tells every rank that this block's chunks are staged, then waits for every rank's word.
+// A peer may already be a call ahead (it passed this barrier on our word and went on), so
+// its word may read epoch + 1.
+__device__ __forceinline__ void staged_barrier(const CarGroup& g, unsigned int epoch) {
+    __syncthreads();
+    const int b = blockIdx.x, t = threadIdx.x;
+    if (t < g.world_size) {
+        store_release_sys(g.flags[t] + b * CAR_MAX_RANKS + g.rank, epoch);
+        const unsigned int* word = g.flags[g.rank] + b * CAR_MAX_RANKS + t;
+        for (unsigned int tries = 1; (int)(load_acquire_sys(word) - epoch) < 0; ++tries) {
+            if (aborted(g, tries)) break;
+        }
+    }
+    __syncthreads();
+}
+
+// Chunk i summed over the ranks' staged slots in rank order, in f32.
+__device__ __forceinline__ void staged_sum(const CarGroup& g, unsigned int epoch, long long i,
+                                           float (&acc)[VEC16]) {
+    for (int r = 0; r < g.world_size; ++r) {
+        float v[VEC16];
+        unpack16(load_volatile(staged_slot(g, r, epoch) + i), v);
+#pragma unroll
+        for (int e = 0; e < VEC16; ++e) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
+    }
+}
+
+// ---- The kernels ----
+
+extern "C" __global__ void __launch_bounds__(CAR_THREADS)
+    custom_all_reduce(const CustomAllReduceArgs a) {
+    pdl_enter();
+    const unsigned int epoch = car_begin(a.g);
+    const long long stride = (long long)CAR_BLOCKS * CAR_THREADS;
+    const long long first = (long long)blockIdx.x * CAR_THREADS + threadIdx.x;
+    uint4* x = reinterpret_cast<uint4*>(a.x);
+    const bool lines = a.lines != 0;
+    if (lines) {
+        for (long long i = first; i < a.chunks; i += stride) ll_send(a.g, epoch, i, x[i]);
+    } else {
+        uint4* mine = staged_slot(a.g, a.g.rank, epoch);
+        for (long long i = first; i < a.chunks; i += stride) mine[i] = x[i];
+        staged_barrier(a.g, epoch);
+    }
+    for (long long i = first; i < a.chunks; i += stride) {
+        float acc[VEC16];
+        if (lines)
+            ll_sum(a.g, epoch, i, acc);
+        else
+            staged_sum(a.g, epoch, i, acc);
+        x[i] = pack16(acc);
+    }
+    car_end(a.g, epoch);
+}
+
+// Row b in block b; thread c holds chunk c of the row, as fused_add_rms_norm's vectorised
+// path does (the same block size, so the same sums). The residual and weight chunks load
+// while the peers' lines travel.
+extern "C" __global__ void __launch_bounds__(1024)
+    custom_all_reduce_add_rms_norm(const CustomAllReduceNormArgs a) {
+    pdl_enter();
+    const unsigned int epoch = car_begin(a.g);
+    const int row = blockIdx.x, hc = a.hidden / VEC16, c = threadIdx.x;
+    const bool mine = row < a.rows && c < hc;
+    const long long i = (long long)row * hc + c;
+    uint4* residual = reinterpret_cast<uint4*>(a.residual);
+    uint4 r_chunk = make_uint4(0u, 0u, 0u, 0u);
+    if (mine) {
+        ll_send(a.g, epoch, i, reinterpret_cast<const uint4*>(a.x)[i]);
+        r_chunk = residual[i];
+    }
+    if (row < a.rows) {
+        float z[VEC16], ss = 0.f;
+        if (mine) {
+            float r[VEC16];
+            unpack16(r_chunk, r);
+            ll_sum(a.g, epoch, i, z);
+#pragma unroll
+            for (int j = 0; j < VEC16; j++) {
+                // The all-reduce's output is rounded to the dtype, then added as a bf16 add is.
+                z[j] = round_t(round_t(z[j]) + r[j]);
+                ss += z[j] * z[j];
+            }
+            residual[i] = pack16(z);
+        }
+        norm_chunk_out(z, ss, mine, a.hidden, a.eps, a.weight, a.x + (long long)row * a.hidden);
+    }
+    car_end(a.g, epoch);
+}

@@ -1,0 +1,470 @@
+//! `CustomAllReduce`: the one-shot all-reduce of csrc/custom_all_reduce.cu over the ranks'
+//! peer memory (vLLM's custom all-reduce), for decode-sized messages; NCCL keeps the rest.
+//!
+//! Each rank allocates one buffer (the receive lines of small messages, the staging slots
+//! and barrier flags of larger ones: see the kernel's notes), and the ranks swap where
+//! theirs is: a CUDA IPC handle between processes, the pointer itself
+//! between threads of one process (a handle cannot be opened where it was made; the tests
+//! run a rank a thread). Peer access goes over NVLink (or PCIe P2P); NVLink multicast is
+//! never used. The kernel's pointers never change, so it is captured in CUDA graphs as is.
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Result};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+};
+
+use super::capture_arena::DeviceBuf;
+use super::device::{driver_error, CudaDevice};
+use super::dtype::DType;
+use super::launch::{ByValue, KernelLaunch};
+use super::ops::CudaOps;
+
+/// The kernel's limits (custom_all_reduce.cu's CAR_* defines).
+pub const CUSTOM_ALL_REDUCE_MAX_RANKS: usize = 8;
+const BLOCKS: u32 = 32;
+const THREADS: u32 = 512;
+const FLAG_BYTES: usize = BLOCKS as usize * CUSTOM_ALL_REDUCE_MAX_RANKS * 4;
+
+/// `CarGroup` of custom_all_reduce.cu, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CarGroup {
+    data: [u64; CUSTOM_ALL_REDUCE_MAX_RANKS],
+    flags: [u64; CUSTOM_ALL_REDUCE_MAX_RANKS],
+    lines: [u64; CUSTOM_ALL_REDUCE_MAX_RANKS],
+    epochs: u64,
+    abort: u64,
+    slot_chunks: i64,
+    ll_max_chunks: i64,
+    rank: i32,
+    world_size: i32,
+}
+
+/// `CustomAllReduceArgs` of custom_all_reduce.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CustomAllReduceArgs {
+    g: CarGroup,
+    x: u64,
+    chunks: i64,
+    lines: i32,
+}
+// SAFETY: repr(C) plain data matching the CUDA struct (8-byte fields, then an i32).
+unsafe impl ByValue for CustomAllReduceArgs {}
+
+/// `CustomAllReduceNormArgs` of custom_all_reduce.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CustomAllReduceNormArgs {
+    g: CarGroup,
+    x: u64,
+    residual: u64,
+    weight: u64,
+    rows: i32,
+    hidden: i32,
+    eps: f32,
+}
+// SAFETY: repr(C) plain data matching the CUDA struct (8-byte fields, then i32, i32, f32).
+unsafe impl ByValue for CustomAllReduceNormArgs {}
+
+/// The fused all-reduce + residual add + RMSNorm takes at most this many rows: a block a
+/// row (CAR_BLOCKS blocks); past it, the plain all-reduce and the norm's own kernel.
+pub const CUSTOM_ALL_REDUCE_NORM_MAX_ROWS: usize = BLOCKS as usize;
+
+/// The low-latency lines (custom_all_reduce.cu) hold messages up to this size: the fused
+/// all-reduce + norm takes them (32 rows of a 4096-wide model in bf16), the plain
+/// all-reduce up to `LL_PLAIN_MAX_BYTES`, where the staged buffers start to win.
+pub const CUSTOM_ALL_REDUCE_LL_MAX_BYTES: usize = 256 << 10;
+const LL_PLAIN_MAX_BYTES: usize = 128 << 10;
+
+/// A host word the device reads (pinned, mapped): set it and the kernel's barrier stops
+/// waiting. The watchdog sets it from its own thread when a step hangs.
+pub struct AbortWord {
+    host: *mut u32,
+    dev: u64,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the word is pinned host memory, written with volatile stores and read by the
+// device; freeing it (Drop) happens once, on whichever thread drops the last owner.
+unsafe impl Send for AbortWord {}
+// SAFETY: as above; concurrent volatile stores of the same value are harmless.
+unsafe impl Sync for AbortWord {}
+
+impl AbortWord {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let mut host = std::ptr::null_mut();
+        // SAFETY: out-pointer for one u32 of pinned, device-mapped memory.
+        let r = unsafe { sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP) };
+        r.result()
+            .map_err(|e| driver_error("allocating the all-reduce abort word", e))?;
+        let host = host as *mut u32;
+        // SAFETY: `host` is 4 writable bytes, just allocated.
+        unsafe { std::ptr::write_volatile(host, 0) };
+        let mut dev = 0;
+        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) };
+        if let Err(e) = r.result() {
+            // SAFETY: allocated above, not shared yet.
+            unsafe { sys::cuMemFreeHost(host.cast()) };
+            return Err(driver_error("mapping the all-reduce abort word", e));
+        }
+        Ok(Self {
+            host,
+            dev,
+            ctx: ctx.clone(),
+        })
+    }
+
+    pub fn set(&self) {
+        // SAFETY: a live pinned word (freed only in Drop).
+        unsafe { std::ptr::write_volatile(self.host, 1) };
+    }
+
+    pub fn is_set(&self) -> bool {
+        // SAFETY: as in `set`.
+        unsafe { std::ptr::read_volatile(self.host) != 0 }
+    }
+}
+
+impl Drop for AbortWord {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated in `new`; no kernel reads it once its owners are gone.
+            unsafe { sys::cuMemFreeHost(self.host.cast()) };
+        }
+    }
+}
+
+/// What a rank tells the others about its buffer.
+const RECORD_BYTES: usize = 8 + 8 + 64;
+
+fn record(pid: u32, ptr: u64, handle: &sys::CUipcMemHandle) -> [u8; RECORD_BYTES] {
+    let mut r = [0u8; RECORD_BYTES];
+    r[..4].copy_from_slice(&pid.to_le_bytes());
+    r[8..16].copy_from_slice(&ptr.to_le_bytes());
+    for (d, s) in r[16..].iter_mut().zip(handle.reserved.iter()) {
+        *d = *s as u8;
+    }
+    r
+}
+
+fn parse_record(r: &[u8]) -> (u32, u64, sys::CUipcMemHandle) {
+    let pid = u32::from_le_bytes(r[..4].try_into().unwrap_or_default());
+    let ptr = u64::from_le_bytes(r[8..16].try_into().unwrap_or_default());
+    let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+    for (d, s) in handle.reserved.iter_mut().zip(r[16..].iter()) {
+        *d = *s as std::ffi::c_char;
+    }
+    (pid, ptr, handle)
+}
+
+pub struct CustomAllReduce {
+    func: CudaFunction,
+    func_norm: CudaFunction,
+    dtype: DType,
+    stream: Arc<CudaStream>,
+    pdl: bool,
+    rank: usize,
+    world_size: usize,
+    /// This rank's buffer: two staging slots of `slot_bytes`, the flags, then the
+    /// receive lines (`lines_offset`).
+    own: sys::CUdeviceptr,
+    /// The peers' buffers opened from IPC handles (closed on drop).
+    opened: Vec<sys::CUdeviceptr>,
+    /// Every rank's buffer, in rank order, as this process addresses it.
+    buffers: Vec<u64>,
+    epochs: CudaSlice<u32>,
+    abort: Arc<AbortWord>,
+    slot_bytes: usize,
+}
+
+impl CustomAllReduce {
+    /// Whether every pair of the first `world_size` GPUs can reach each other's memory
+    /// (rank r runs on GPU r). The same answer on every rank, so that either all ranks or
+    /// none go on to the exchange.
+    pub fn peers_reachable(world_size: usize) -> Result<bool> {
+        if !(2..=CUSTOM_ALL_REDUCE_MAX_RANKS).contains(&world_size) {
+            return Ok(false);
+        }
+        for a in 0..world_size {
+            for b in (0..world_size).filter(|&b| b != a) {
+                let mut can = 0;
+                // SAFETY: out-pointer; ordinals below the device count (the backends opened them).
+                let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a as i32, b as i32) };
+                r.result()
+                    .map_err(|e| driver_error("cuDeviceCanAccessPeer", e))?;
+                if can == 0 {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Allocates this rank's buffer (messages up to `max_bytes`) and swaps its address
+    /// with the other ranks: `exchange` takes this rank's record and returns every rank's,
+    /// in rank order (a collective every rank calls). Call only where `peers_reachable`.
+    pub fn new(
+        dev: &CudaDevice,
+        ops: &CudaOps,
+        rank: usize,
+        world_size: usize,
+        max_bytes: usize,
+        exchange: impl FnOnce(&[u8]) -> Result<Vec<u8>>,
+    ) -> Result<Self> {
+        ensure!(
+            rank < world_size && world_size <= CUSTOM_ALL_REDUCE_MAX_RANKS,
+            "custom all-reduce: rank {rank} of {world_size}"
+        );
+        let slot_bytes = max_bytes.next_multiple_of(16);
+        // Two call slots of every rank's lines: 16 bytes carry 8 of x.
+        let lines_bytes = 2 * world_size * 2 * CUSTOM_ALL_REDUCE_LL_MAX_BYTES;
+        let bytes = 2 * slot_bytes + FLAG_BYTES + lines_bytes;
+        dev.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error("binding the context", e))?;
+        let mut own = 0;
+        // SAFETY: out-pointer. A plain allocation: IPC cannot export pool memory.
+        unsafe { sys::cuMemAlloc_v2(&mut own, bytes) }
+            .result()
+            .map_err(|e| driver_error("allocating the custom all-reduce buffer", e))?;
+        let mut car = Self {
+            func: ops.f.custom_all_reduce.clone(),
+            func_norm: ops.f.custom_all_reduce_add_rms_norm.clone(),
+            dtype: ops.dtype,
+            stream: ops.stream.clone(),
+            pdl: ops.pdl,
+            rank,
+            world_size,
+            own,
+            opened: Vec::new(),
+            buffers: Vec::new(),
+            epochs: dev
+                .stream
+                .alloc_zeros::<u32>(BLOCKS as usize)
+                .map_err(|e| driver_error("allocating the all-reduce counters", e))?,
+            abort: Arc::new(AbortWord::new(&dev.ctx)?),
+            slot_bytes,
+        };
+        // Flags start at zero on every rank before any rank can write one: the exchange
+        // below is the first thing all ranks wait for together.
+        // SAFETY: `own` holds `bytes` bytes.
+        unsafe { sys::cuMemsetD8_v2(own, 0, bytes) }
+            .result()
+            .map_err(|e| driver_error("clearing the custom all-reduce buffer", e))?;
+        dev.stream
+            .synchronize()
+            .map_err(|e| driver_error("synchronizing", e))?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: out-pointer; `own` is a cuMemAlloc allocation of this context.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, own) }
+            .result()
+            .map_err(|e| driver_error("cuIpcGetMemHandle", e))?;
+        let records = exchange(&record(std::process::id(), own, &handle))?;
+        ensure!(
+            records.len() == RECORD_BYTES * world_size,
+            "custom all-reduce: {} bytes of peer records, expected {}",
+            records.len(),
+            RECORD_BYTES * world_size
+        );
+        for (r, rec) in records.chunks(RECORD_BYTES).enumerate() {
+            let (pid, ptr, handle) = parse_record(rec);
+            let addr = if r == rank {
+                own
+            } else if pid == std::process::id() {
+                car.enable_peer_access(r)?;
+                ptr
+            } else {
+                let mut p = 0;
+                // SAFETY: out-pointer; the handle is the peer's live allocation.
+                unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut p,
+                        handle,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                }
+                .result()
+                .map_err(|e| driver_error(&format!("opening rank {r}'s IPC handle"), e))?;
+                car.opened.push(p);
+                p
+            };
+            car.buffers.push(addr);
+        }
+        Ok(car)
+    }
+
+    /// Peer access to GPU `peer`'s primary context, for a rank in this same process. Raw
+    /// driver calls: cudarc's context handle would make the peer's context current.
+    fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        let mut device = 0;
+        let mut peer_ctx = std::ptr::null_mut();
+        // SAFETY: out-pointers; `peer` is a rank's ordinal, below the device count.
+        unsafe {
+            sys::cuDeviceGet(&mut device, peer as i32)
+                .result()
+                .map_err(|e| driver_error("cuDeviceGet", e))?;
+            sys::cuDevicePrimaryCtxRetain(&mut peer_ctx, device)
+                .result()
+                .map_err(|e| driver_error("retaining the peer's context", e))?;
+        }
+        // SAFETY: our context is current (bound in `new`); the peer's is retained.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) };
+        // SAFETY: retained above; the peer's own backend keeps it alive.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            e => Err(driver_error(
+                "cuCtxEnablePeerAccess",
+                e.result().expect_err("not a success"),
+            )),
+        }
+    }
+
+    /// The word that stops a waiting barrier (for the watchdog).
+    pub fn abort_word(&self) -> Arc<AbortWord> {
+        self.abort.clone()
+    }
+
+    /// Whether `x` of `bytes` can take this path: whole 16-byte chunks that fit a slot.
+    pub fn fits(&self, bytes: usize) -> bool {
+        bytes > 0 && bytes.is_multiple_of(16) && bytes <= self.slot_bytes
+    }
+
+    fn group(&self) -> Result<CarGroup> {
+        ensure!(
+            !self.abort.is_set(),
+            "the custom all-reduce was aborted (a collective hung past the timeout)"
+        );
+        let mut g = CarGroup {
+            data: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
+            flags: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
+            lines: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
+            epochs: self.epochs.device_ptr(&self.stream).0,
+            abort: self.abort.dev,
+            slot_chunks: (self.slot_bytes / 16) as i64,
+            ll_max_chunks: (CUSTOM_ALL_REDUCE_LL_MAX_BYTES / 16) as i64,
+            rank: self.rank as i32,
+            world_size: self.world_size as i32,
+        };
+        for (r, &b) in self.buffers.iter().enumerate() {
+            g.data[r] = b;
+            g.flags[r] = b + 2 * self.slot_bytes as u64;
+            g.lines[r] = g.flags[r] + FLAG_BYTES as u64;
+        }
+        Ok(g)
+    }
+
+    /// A 16-byte aligned device buffer's address.
+    fn aligned(&self, buf: &CudaSlice<u8>, what: &str) -> Result<u64> {
+        let p = buf.device_ptr(&self.stream).0;
+        ensure!(
+            p % 16 == 0,
+            "custom all-reduce: {what} is not 16-byte aligned"
+        );
+        Ok(p)
+    }
+
+    /// Launches `func` on the group's fixed grid.
+    fn launch<A: ByValue>(&self, func: &CudaFunction, threads: u32, args: &A) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (BLOCKS, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut kernel = KernelLaunch::new(&self.stream, func);
+        kernel.arg(args);
+        // SAFETY: the callers check every buffer against the sizes the kernel indexes;
+        // every rank's buffer holds two slots of `slot_bytes` and the flags, and `epochs`
+        // BLOCKS counters.
+        unsafe { kernel.launch(cfg, self.pdl) }
+            .map_err(|e| driver_error("launching the custom all-reduce", e))
+    }
+
+    /// `x` (the first `bytes` of it) becomes the sum of every rank's, in place, on the
+    /// stream. Every rank must make the same calls, in the same order, with the same sizes.
+    pub fn all_reduce(&self, x: &mut DeviceBuf<u8>, bytes: usize) -> Result<()> {
+        ensure!(
+            self.fits(bytes) && bytes <= x.len(),
+            "custom all-reduce of {bytes} bytes (buffer {}, slot {})",
+            x.len(),
+            self.slot_bytes
+        );
+        let args = CustomAllReduceArgs {
+            g: self.group()?,
+            x: self.aligned(x, "x")?,
+            chunks: (bytes / 16) as i64,
+            lines: (bytes <= LL_PLAIN_MAX_BYTES) as i32,
+        };
+        self.launch(&self.func, THREADS, &args)
+    }
+
+    /// Whether `all_reduce_add_rms_norm` takes `rows` of `hidden`: a thread a 16-byte
+    /// chunk of a row, a block a row, the low-latency lines.
+    pub fn fits_norm(&self, rows: usize, hidden: usize) -> bool {
+        let vec = self.dtype.vec16();
+        let bytes = rows * hidden * self.dtype.size();
+        (1..=CUSTOM_ALL_REDUCE_NORM_MAX_ROWS).contains(&rows)
+            && hidden.is_multiple_of(vec)
+            && hidden / vec <= 1024
+            && self.fits(bytes)
+            && bytes <= CUSTOM_ALL_REDUCE_LL_MAX_BYTES
+    }
+
+    /// The all-reduce of `x` [rows, hidden], then `residual += x; x = rms_norm(residual)`
+    /// (`CudaOps::fused_add_rms_norm`), in one kernel; the same bits as the two.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_add_rms_norm(
+        &self,
+        x: &mut CudaSlice<u8>,
+        residual: &mut CudaSlice<u8>,
+        weight: &CudaSlice<u8>,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        ensure!(
+            self.fits_norm(rows, hidden),
+            "custom all-reduce + norm of {rows} x {hidden}"
+        );
+        let bytes = rows * hidden * self.dtype.size();
+        ensure!(
+            x.len() >= bytes
+                && residual.len() >= bytes
+                && weight.len() >= hidden * self.dtype.size(),
+            "custom all-reduce + norm: buffers smaller than {rows} x {hidden}"
+        );
+        let args = CustomAllReduceNormArgs {
+            g: self.group()?,
+            x: self.aligned(x, "x")?,
+            residual: self.aligned(residual, "the residual")?,
+            weight: self.aligned(weight, "the weight")?,
+            rows: rows as i32,
+            hidden: hidden as i32,
+            eps,
+        };
+        let threads = (hidden / self.dtype.vec16()).div_ceil(32) as u32 * 32;
+        self.launch(&self.func_norm, threads, &args)
+    }
+}
+
+impl Drop for CustomAllReduce {
+    fn drop(&mut self) {
+        if self.stream.context().bind_to_thread().is_err() {
+            return;
+        }
+        // Peers may still read our buffer in a call in flight; let this stream's finish.
+        let _ = self.stream.synchronize();
+        for &p in &self.opened {
+            // SAFETY: opened in `new`, closed once.
+            unsafe { sys::cuIpcCloseMemHandle(p) };
+        }
+        // SAFETY: allocated in `new`, freed once; no kernel of this stream uses it now.
+        unsafe { sys::cuMemFree_v2(self.own) };
+    }
+}

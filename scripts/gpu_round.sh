@@ -17,6 +17,7 @@
 #                                     tp-throughput tp-70b tp-parity tp-parity32
 #                                     tp-parity-0.6b (the Qwen3-0.6B shape, Qwen3-8B's tokenizer;
 #                                     TP=2 also through NCCL alone, against the custom all-reduce)
+#                                     tp-parity32-0.6b (the same in f32: every row token for token)
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
 #                                     reliability: soak (scripts/soak.sh on the Qwen3-0.6B shape,
 #                                     $SOAK_SECONDS, default 480; set STAGE_TIMEOUT above it)
@@ -445,6 +446,7 @@ for s in $STAGES; do
     tp-70b) stage tp-70b tp_70b ;;
     tp-parity) stage tp-parity python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
     tp-parity-0.6b) stage tp-parity-0.6b python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06 --also-with=--disable-custom-all-reduce ;;
+    tp-parity32-0.6b) stage tp-parity32-0.6b python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06-32 --also-with=--disable-custom-all-reduce ;;
     tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
     soak)
         make_model qwen3-0.6b "$MODELS/qwen3-0.6b"

@@ -328,3 +328,28 @@ impl SamplingFlags {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Flags {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    fn worker_config(extra: &[&str]) -> WorkerConfig {
+        let args = ["vllm-rs", "--model", "m", "--device", "cuda", "-t", "2"];
+        let flags = Flags::try_parse_from(args.iter().chain(extra)).expect("flags parse");
+        flags.engine.worker_config().expect("worker config")
+    }
+
+    #[test]
+    fn disable_custom_all_reduce_reaches_the_workers() {
+        assert!(!worker_config(&[]).disable_custom_all_reduce);
+        assert!(worker_config(&["--disable-custom-all-reduce"]).disable_custom_all_reduce);
+    }
+}

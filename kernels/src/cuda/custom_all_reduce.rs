@@ -468,3 +468,37 @@ impl Drop for CustomAllReduce {
         unsafe { sys::cuMemFree_v2(self.own) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_records_round_trip() {
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        for (i, b) in handle.reserved.iter_mut().enumerate() {
+            *b = (i as i32 * 37 - 100) as std::ffi::c_char;
+        }
+        let bytes = record(4_000_000_123, 0x7f00_dead_beef_0010, &handle);
+        let (pid, ptr, back) = parse_record(&bytes);
+        assert_eq!(pid, 4_000_000_123);
+        assert_eq!(ptr, 0x7f00_dead_beef_0010);
+        assert_eq!(back.reserved, handle.reserved);
+    }
+
+    #[test]
+    fn the_arguments_have_the_kernels_layout() {
+        // custom_all_reduce.cu: CarGroup is 3 arrays of 8 pointers, 4 eight-byte fields and
+        // 2 ints (232 bytes); the argument structs follow it, padded to 8 bytes as nvcc does.
+        let group = 3 * 64 + 4 * 8 + 2 * 4;
+        assert_eq!(std::mem::size_of::<CarGroup>(), group);
+        assert_eq!(
+            std::mem::size_of::<CustomAllReduceArgs>(),
+            group + 2 * 8 + 4 + 4
+        );
+        assert_eq!(
+            std::mem::size_of::<CustomAllReduceNormArgs>(),
+            group + 3 * 8 + 3 * 4 + 4
+        );
+    }
+}

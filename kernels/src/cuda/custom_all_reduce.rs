@@ -8,6 +8,7 @@
 //! run a rank a thread). Peer access goes over NVLink (or PCIe P2P); NVLink multicast is
 //! never used. The kernel's pointers never change, so it is captured in CUDA graphs as is.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use anyhow::{ensure, Result};
@@ -87,10 +88,10 @@ pub struct AbortWord {
     ctx: Arc<CudaContext>,
 }
 
-// SAFETY: the word is pinned host memory, written with volatile stores and read by the
-// device; freeing it (Drop) happens once, on whichever thread drops the last owner.
+// SAFETY: the word is pinned host memory, accessed through an atomic on the host and read
+// by the device; freeing it (Drop) happens once, on whichever thread drops the last owner.
 unsafe impl Send for AbortWord {}
-// SAFETY: as above; concurrent volatile stores of the same value are harmless.
+// SAFETY: as above; every host access is atomic.
 unsafe impl Sync for AbortWord {}
 
 impl AbortWord {
@@ -101,8 +102,8 @@ impl AbortWord {
         r.result()
             .map_err(|e| driver_error("allocating the all-reduce abort word", e))?;
         let host = host as *mut u32;
-        // SAFETY: `host` is 4 writable bytes, just allocated.
-        unsafe { std::ptr::write_volatile(host, 0) };
+        // SAFETY: `host` is 4 writable bytes, just allocated, not shared yet.
+        unsafe { host.write(0) };
         let mut dev = 0;
         // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP.
         let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0) };
@@ -118,14 +119,19 @@ impl AbortWord {
         })
     }
 
+    /// The word as an atomic: the watchdog's thread sets it while the worker's reads it.
+    fn word(&self) -> &AtomicU32 {
+        // SAFETY: a live, 4-byte aligned pinned word (freed only in Drop, after every
+        // owner is gone), only ever accessed through this atomic on the host.
+        unsafe { AtomicU32::from_ptr(self.host) }
+    }
+
     pub fn set(&self) {
-        // SAFETY: a live pinned word (freed only in Drop).
-        unsafe { std::ptr::write_volatile(self.host, 1) };
+        self.word().store(1, Ordering::SeqCst);
     }
 
     pub fn is_set(&self) -> bool {
-        // SAFETY: as in `set`.
-        unsafe { std::ptr::read_volatile(self.host) != 0 }
+        self.word().load(Ordering::SeqCst) != 0
     }
 }
 
@@ -138,12 +144,23 @@ impl Drop for AbortWord {
     }
 }
 
-/// What a rank tells the others about its buffer.
+/// What a rank tells the others about its buffer: its process, the buffer's address in
+/// it, and the buffer's IPC handle.
 const RECORD_BYTES: usize = 8 + 8 + 64;
 
-fn record(pid: u32, ptr: u64, handle: &sys::CUipcMemHandle) -> [u8; RECORD_BYTES] {
+/// This process among the ranks': its pid and its pid namespace (two containers may each
+/// have a process of the same pid; only one process may use the other's addresses).
+fn process_id() -> u64 {
+    let ns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ns_hash = super::cache::fnv1a(&[ns.as_bytes()]) as u32;
+    (u64::from(ns_hash) << 32) | u64::from(std::process::id())
+}
+
+fn record(process: u64, ptr: u64, handle: &sys::CUipcMemHandle) -> [u8; RECORD_BYTES] {
     let mut r = [0u8; RECORD_BYTES];
-    r[..4].copy_from_slice(&pid.to_le_bytes());
+    r[..8].copy_from_slice(&process.to_le_bytes());
     r[8..16].copy_from_slice(&ptr.to_le_bytes());
     for (d, s) in r[16..].iter_mut().zip(handle.reserved.iter()) {
         *d = *s as u8;
@@ -151,14 +168,14 @@ fn record(pid: u32, ptr: u64, handle: &sys::CUipcMemHandle) -> [u8; RECORD_BYTES
     r
 }
 
-fn parse_record(r: &[u8]) -> (u32, u64, sys::CUipcMemHandle) {
-    let pid = u32::from_le_bytes(r[..4].try_into().unwrap_or_default());
+fn parse_record(r: &[u8]) -> (u64, u64, sys::CUipcMemHandle) {
+    let process = u64::from_le_bytes(r[..8].try_into().unwrap_or_default());
     let ptr = u64::from_le_bytes(r[8..16].try_into().unwrap_or_default());
     let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
     for (d, s) in handle.reserved.iter_mut().zip(r[16..].iter()) {
         *d = *s as std::ffi::c_char;
     }
-    (pid, ptr, handle)
+    (process, ptr, handle)
 }
 
 pub struct CustomAllReduce {
@@ -226,8 +243,14 @@ impl CustomAllReduce {
         dev.ctx
             .bind_to_thread()
             .map_err(|e| driver_error("binding the context", e))?;
+        let epochs = dev
+            .stream
+            .alloc_zeros::<u32>(BLOCKS as usize)
+            .map_err(|e| driver_error("allocating the all-reduce counters", e))?;
+        let abort = Arc::new(AbortWord::new(&dev.ctx)?);
         let mut own = 0;
-        // SAFETY: out-pointer. A plain allocation: IPC cannot export pool memory.
+        // SAFETY: out-pointer. A plain allocation: IPC cannot export pool memory. From here
+        // `car` owns it, and its Drop frees it on every error path below.
         unsafe { sys::cuMemAlloc_v2(&mut own, bytes) }
             .result()
             .map_err(|e| driver_error("allocating the custom all-reduce buffer", e))?;
@@ -242,11 +265,8 @@ impl CustomAllReduce {
             own,
             opened: Vec::new(),
             buffers: Vec::new(),
-            epochs: dev
-                .stream
-                .alloc_zeros::<u32>(BLOCKS as usize)
-                .map_err(|e| driver_error("allocating the all-reduce counters", e))?,
-            abort: Arc::new(AbortWord::new(&dev.ctx)?),
+            epochs,
+            abort,
             slot_bytes,
         };
         // Flags start at zero on every rank before any rank can write one: the exchange
@@ -255,7 +275,8 @@ impl CustomAllReduce {
         unsafe { sys::cuMemsetD8_v2(own, 0, bytes) }
             .result()
             .map_err(|e| driver_error("clearing the custom all-reduce buffer", e))?;
-        dev.stream
+        // The memset and the counters' clear run on different streams: wait for both.
+        dev.ctx
             .synchronize()
             .map_err(|e| driver_error("synchronizing", e))?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
@@ -263,7 +284,8 @@ impl CustomAllReduce {
         unsafe { sys::cuIpcGetMemHandle(&mut handle, own) }
             .result()
             .map_err(|e| driver_error("cuIpcGetMemHandle", e))?;
-        let records = exchange(&record(std::process::id(), own, &handle))?;
+        let me = process_id();
+        let records = exchange(&record(me, own, &handle))?;
         ensure!(
             records.len() == RECORD_BYTES * world_size,
             "custom all-reduce: {} bytes of peer records, expected {}",
@@ -271,10 +293,10 @@ impl CustomAllReduce {
             RECORD_BYTES * world_size
         );
         for (r, rec) in records.chunks(RECORD_BYTES).enumerate() {
-            let (pid, ptr, handle) = parse_record(rec);
+            let (process, ptr, handle) = parse_record(rec);
             let addr = if r == rank {
                 own
-            } else if pid == std::process::id() {
+            } else if process == me {
                 car.enable_peer_access(r)?;
                 ptr
             } else {
@@ -479,9 +501,11 @@ mod tests {
         for (i, b) in handle.reserved.iter_mut().enumerate() {
             *b = (i as i32 * 37 - 100) as std::ffi::c_char;
         }
-        let bytes = record(4_000_000_123, 0x7f00_dead_beef_0010, &handle);
-        let (pid, ptr, back) = parse_record(&bytes);
-        assert_eq!(pid, 4_000_000_123);
+        let process = process_id();
+        assert_eq!(process as u32, std::process::id());
+        let bytes = record(process, 0x7f00_dead_beef_0010, &handle);
+        let (back_process, ptr, back) = parse_record(&bytes);
+        assert_eq!(back_process, process);
         assert_eq!(ptr, 0x7f00_dead_beef_0010);
         assert_eq!(back.reserved, handle.reserved);
     }

@@ -145,7 +145,10 @@ impl NcclCommunicator {
                 CUSTOM_ALL_REDUCE_MAX_BYTES,
                 |record| group.all_gather_bytes(record),
             )
-            .context("setting up the custom all-reduce")?;
+            .context(
+                "setting up the custom all-reduce over the GPUs' peer memory \
+                 (--disable-custom-all-reduce runs every all-reduce through NCCL)",
+            )?;
             let _ = group.handle.custom.set(custom.abort_word());
             group.custom = Some(custom);
         }

@@ -3,8 +3,8 @@
 // the cost. Every rank reads all ranks' x and sums them in rank order in f32, so all
 // ranks hold the same bits. Two ways to move x:
 //
-// - Low-latency lines (NCCL's LL protocol), for the smallest messages: each rank stores its x
-//   straight into every rank's receive buffer as 16-byte lines of 8 data bytes and two
+// - Low-latency lines (NCCL's LL protocol), for the smallest messages: each rank stores
+//   its x straight into every rank's receive buffer as 16-byte lines of 8 data bytes and two
 //   copies of the call number, and readers poll their own memory until a line carries
 //   this call's number. No fence and no barrier: one NVLink crossing a call. (A 16-byte
 //   store may land as two 8-byte halves, so each half carries the number.)
@@ -20,7 +20,9 @@
 // Buffers alternate between two slots by the counter's parity, so that no rank writes a
 // slot a peer may still read: a rank starts call e only after its call e-1 read something
 // the peers wrote in their call e-1, which they wrote after their `pdl_enter`, so after
-// every read of call e-2 had ended.
+// every read of call e-2 had ended. Call numbers wrap after 2^32 calls (hours of decode),
+// so they are compared for equality only, skip 0, and a reader clears every line and
+// flag it has read: none keeps an old number until that number comes round again.
 //
 // A peer that never arrives (a process died) would keep a block waiting; it also polls
 // `abort`, host memory the worker's watchdog sets when a step hangs, and leaves. The step
@@ -74,6 +76,15 @@ __device__ __forceinline__ unsigned int load_acquire_sys(const unsigned int* p) 
     return v;
 }
 
+// *p = 0 if *p == expected, atomically at system scope.
+__device__ __forceinline__ void clear_if_sys(const unsigned int* p, unsigned int expected) {
+    unsigned int old;
+    asm volatile("atom.relaxed.sys.global.cas.b32 %0, [%1], %2, %3;"
+                 : "=r"(old)
+                 : "l"(p), "r"(expected), "r"(0u)
+                 : "memory");
+}
+
 // Not through L1, which does not see the peers' writes.
 __device__ __forceinline__ uint4 load_volatile(const uint4* p) {
     uint4 v;
@@ -95,10 +106,17 @@ __device__ __forceinline__ bool aborted(const CarGroup& g, unsigned int tries) {
     return (tries & 4095u) == 0u && *(volatile const unsigned int*)g.abort != 0u;
 }
 
+// The call number after e: of the other parity (the slots alternate) and never 0, the
+// tag of a cleared line. It wraps after 2^32 calls (hours of decode at TP=2), so call
+// numbers are only ever compared for equality.
+__device__ __forceinline__ unsigned int car_next(unsigned int e) {
+    return e == 0xffffffffu ? 2u : e + 1u;
+}
+
 // This block's call number (after pdl_enter: the last call's kernel has completed).
 __device__ __forceinline__ unsigned int car_begin(const CarGroup& g) {
     __shared__ unsigned int s_epoch;
-    if (threadIdx.x == 0) s_epoch = g.epochs[blockIdx.x] + 1;
+    if (threadIdx.x == 0) s_epoch = car_next(g.epochs[blockIdx.x]);
     __syncthreads();
     return s_epoch;
 }
@@ -137,12 +155,16 @@ __device__ __forceinline__ uint2 ll_wait(const CarGroup& g, const uint4* p, unsi
     return make_uint2(v.x, v.z);
 }
 
-// Chunk i summed over the ranks in rank order, in f32, from this rank's lines.
+// Chunk i summed over the ranks in rank order, in f32, from this rank's lines. Each line
+// read is cleared, so that no line keeps a tag until its call number comes round again.
 __device__ __forceinline__ void ll_sum(const CarGroup& g, unsigned int epoch, long long i,
                                        float (&acc)[VEC16]) {
+    const uint4 cleared = make_uint4(0u, 0u, 0u, 0u);
     for (int r = 0; r < g.world_size; ++r) {
-        const uint4* p = ll_at(g, g.rank, r, epoch, i);
+        uint4* p = ll_at(g, g.rank, r, epoch, i);
         const uint2 lo = ll_wait(g, p, epoch), hi = ll_wait(g, p + 1, epoch);
+        store_volatile(p, cleared);
+        store_volatile(p + 1, cleared);
         float v[VEC16];
         unpack16(make_uint4(lo.x, lo.y, hi.x, hi.y), v);
 #pragma unroll
@@ -160,15 +182,22 @@ __device__ __forceinline__ uint4* staged_slot(const CarGroup& g, int r, unsigned
 
 // Tells every rank that this block's chunks are staged, then waits for every rank's word.
 // A peer may already be a call ahead (it passed this barrier on our word and went on), so
-// its word may read epoch + 1.
+// its word may read the next call's number; any other value is an older staged call's.
 __device__ __forceinline__ void staged_barrier(const CarGroup& g, unsigned int epoch) {
     __syncthreads();
     const int b = blockIdx.x, t = threadIdx.x;
     if (t < g.world_size) {
         store_release_sys(g.flags[t] + b * CAR_MAX_RANKS + g.rank, epoch);
         const unsigned int* word = g.flags[g.rank] + b * CAR_MAX_RANKS + t;
-        for (unsigned int tries = 1; (int)(load_acquire_sys(word) - epoch) < 0; ++tries) {
-            if (aborted(g, tries)) break;
+        const unsigned int ahead = car_next(epoch);
+        for (unsigned int tries = 1;; ++tries) {
+            const unsigned int v = load_acquire_sys(word);
+            if (v == ahead || aborted(g, tries)) break;
+            if (v == epoch) {
+                // Cleared, as a line is, unless the peer has already moved it on.
+                clear_if_sys(word, epoch);
+                break;
+            }
         }
     }
     __syncthreads();

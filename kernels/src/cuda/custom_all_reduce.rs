@@ -184,16 +184,16 @@ pub struct CustomAllReduce {
     dtype: DType,
     stream: Arc<CudaStream>,
     pdl: bool,
-    rank: usize,
-    world_size: usize,
     /// This rank's buffer: two staging slots of `slot_bytes`, the flags, then the
-    /// receive lines (`lines_offset`).
+    /// receive lines.
     own: sys::CUdeviceptr,
     /// The peers' buffers opened from IPC handles (closed on drop).
     opened: Vec<sys::CUdeviceptr>,
-    /// Every rank's buffer, in rank order, as this process addresses it.
-    buffers: Vec<u64>,
-    epochs: CudaSlice<u32>,
+    /// What every launch passes: every rank's buffer as this process addresses it, the
+    /// counters, the abort word; fixed once the ranks have swapped their buffers.
+    group: CarGroup,
+    /// The counters `group` points at, held so that they live as long as it does.
+    _epochs: CudaSlice<u32>,
     abort: Arc<AbortWord>,
     slot_bytes: usize,
 }
@@ -254,18 +254,27 @@ impl CustomAllReduce {
         unsafe { sys::cuMemAlloc_v2(&mut own, bytes) }
             .result()
             .map_err(|e| driver_error("allocating the custom all-reduce buffer", e))?;
+        let group = CarGroup {
+            data: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
+            flags: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
+            lines: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
+            epochs: epochs.device_ptr(&dev.stream).0,
+            abort: abort.dev,
+            slot_chunks: (slot_bytes / 16) as i64,
+            ll_max_chunks: (CUSTOM_ALL_REDUCE_LL_MAX_BYTES / 16) as i64,
+            rank: rank as i32,
+            world_size: world_size as i32,
+        };
         let mut car = Self {
             func: ops.f.custom_all_reduce.clone(),
             func_norm: ops.f.custom_all_reduce_add_rms_norm.clone(),
             dtype: ops.dtype,
             stream: ops.stream.clone(),
             pdl: ops.pdl,
-            rank,
-            world_size,
             own,
             opened: Vec::new(),
-            buffers: Vec::new(),
-            epochs,
+            group,
+            _epochs: epochs,
             abort,
             slot_bytes,
         };
@@ -314,7 +323,10 @@ impl CustomAllReduce {
                 car.opened.push(p);
                 p
             };
-            car.buffers.push(addr);
+            // Two staging slots, the flags, then the lines (the kernel's layout).
+            car.group.data[r] = addr;
+            car.group.flags[r] = addr + 2 * slot_bytes as u64;
+            car.group.lines[r] = car.group.flags[r] + FLAG_BYTES as u64;
         }
         Ok(car)
     }
@@ -358,28 +370,13 @@ impl CustomAllReduce {
         bytes > 0 && bytes.is_multiple_of(16) && bytes <= self.slot_bytes
     }
 
+    /// The group a launch passes, while the watchdog has not aborted it.
     fn group(&self) -> Result<CarGroup> {
         ensure!(
             !self.abort.is_set(),
             "the custom all-reduce was aborted (a collective hung past the timeout)"
         );
-        let mut g = CarGroup {
-            data: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
-            flags: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
-            lines: [0; CUSTOM_ALL_REDUCE_MAX_RANKS],
-            epochs: self.epochs.device_ptr(&self.stream).0,
-            abort: self.abort.dev,
-            slot_chunks: (self.slot_bytes / 16) as i64,
-            ll_max_chunks: (CUSTOM_ALL_REDUCE_LL_MAX_BYTES / 16) as i64,
-            rank: self.rank as i32,
-            world_size: self.world_size as i32,
-        };
-        for (r, &b) in self.buffers.iter().enumerate() {
-            g.data[r] = b;
-            g.flags[r] = b + 2 * self.slot_bytes as u64;
-            g.lines[r] = g.flags[r] + FLAG_BYTES as u64;
-        }
-        Ok(g)
+        Ok(self.group)
     }
 
     /// A 16-byte aligned device buffer's address.

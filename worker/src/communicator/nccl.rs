@@ -260,12 +260,9 @@ impl Communicator for NcclCommunicator {
     fn all_reduce(&self, x: &mut CudaTensor) -> Result<()> {
         let (nccl, comm) = self.live()?;
         let n = x.numel();
-        if let Some(custom) = self
-            .custom
-            .as_ref()
-            .filter(|c| c.fits(n * self.dtype.size()))
-        {
-            return custom.all_reduce(&mut x.buf, n * self.dtype.size());
+        let bytes = n * self.dtype.size();
+        if let Some(custom) = self.custom.as_ref().filter(|c| c.fits(bytes)) {
+            return custom.all_reduce(&mut x.buf, bytes);
         }
         let (p, _g) = x.buf.device_ptr_mut(&self.stream);
         // SAFETY: in place over `x`'s n elements of the backend dtype, on its stream.

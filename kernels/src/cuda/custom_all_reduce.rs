@@ -178,6 +178,19 @@ fn parse_record(r: &[u8]) -> (u64, u64, sys::CUipcMemHandle) {
     (process, ptr, handle)
 }
 
+/// One rank's buffer before the ranks have swapped theirs (`CustomAllReduce::allocate`).
+pub struct LocalBuffer {
+    car: CustomAllReduce,
+    handle: sys::CUipcMemHandle,
+}
+
+/// What `CustomAllReduce::connect` came to; the same on every rank of the group.
+pub enum CustomAllReduceSetup {
+    Ready(Box<CustomAllReduce>),
+    /// Some rank could not take part (why: this rank's own error, or which rank failed).
+    Unavailable(String),
+}
+
 pub struct CustomAllReduce {
     func: CudaFunction,
     func_norm: CudaFunction,
@@ -221,17 +234,70 @@ impl CustomAllReduce {
         Ok(true)
     }
 
-    /// Allocates this rank's buffer (messages up to `max_bytes`) and swaps its address
-    /// with the other ranks: `exchange` takes this rank's record and returns every rank's,
-    /// in rank order (a collective every rank calls). Call only where `peers_reachable`.
-    pub fn new(
+    /// Sets the group up, or agrees with every other rank that it cannot: `local` is this
+    /// rank's `allocate` (an error there is not the end: the rank still takes part in both
+    /// exchanges, so that no peer waits for it), and `exchange` takes this rank's bytes and
+    /// returns every rank's, in rank order (a collective every rank calls, twice). Every
+    /// rank comes out with the same answer: ready on all, or unavailable on all. An error
+    /// is an exchange that failed (the group itself is broken).
+    pub fn connect(
+        local: Result<LocalBuffer>,
+        rank: usize,
+        world_size: usize,
+        mut exchange: impl FnMut(&[u8]) -> Result<Vec<u8>>,
+    ) -> Result<CustomAllReduceSetup> {
+        // A rank that could not allocate sends a null record (no process has id 0).
+        let null = sys::CUipcMemHandle { reserved: [0; 64] };
+        let mine = match &local {
+            Ok(l) => record(process_id(), l.car.own, &l.handle),
+            Err(_) => record(0, 0, &null),
+        };
+        let records = exchange(&mine)?;
+        ensure!(
+            records.len() == RECORD_BYTES * world_size,
+            "custom all-reduce: {} bytes of peer records, expected {}",
+            records.len(),
+            RECORD_BYTES * world_size
+        );
+        let records: Vec<_> = records.chunks(RECORD_BYTES).map(parse_record).collect();
+        let local = match local {
+            Err(e) => return Ok(CustomAllReduceSetup::Unavailable(format!("{e:#}"))),
+            Ok(l) => l,
+        };
+        if let Some(r) = records.iter().position(|&(_, ptr, _)| ptr == 0) {
+            return Ok(CustomAllReduceSetup::Unavailable(format!(
+                "rank {r} could not allocate its buffer"
+            )));
+        }
+        let mut car = local.car;
+        let opened = car.open_peers(rank, &records);
+        let statuses = exchange(&[opened.is_ok() as u8])?;
+        ensure!(
+            statuses.len() == world_size,
+            "custom all-reduce: {} status bytes, expected {world_size}",
+            statuses.len()
+        );
+        if let Err(e) = opened {
+            return Ok(CustomAllReduceSetup::Unavailable(format!("{e:#}")));
+        }
+        match statuses.iter().position(|&ok| ok != 1) {
+            Some(r) => Ok(CustomAllReduceSetup::Unavailable(format!(
+                "rank {r} could not open its peers' buffers"
+            ))),
+            None => Ok(CustomAllReduceSetup::Ready(Box::new(car))),
+        }
+    }
+
+    /// This rank's part of the group (messages up to `max_bytes`): its buffer, cleared,
+    /// and the IPC handle peers in other processes open it by; `connect` swaps them. Call
+    /// only where `peers_reachable`.
+    pub fn allocate(
         dev: &CudaDevice,
         ops: &CudaOps,
         rank: usize,
         world_size: usize,
         max_bytes: usize,
-        exchange: impl FnOnce(&[u8]) -> Result<Vec<u8>>,
-    ) -> Result<Self> {
+    ) -> Result<LocalBuffer> {
         ensure!(
             rank < world_size && world_size <= CUSTOM_ALL_REDUCE_MAX_RANKS,
             "custom all-reduce: rank {rank} of {world_size}"
@@ -265,7 +331,7 @@ impl CustomAllReduce {
             rank: rank as i32,
             world_size: world_size as i32,
         };
-        let mut car = Self {
+        let car = Self {
             func: ops.f.custom_all_reduce.clone(),
             func_norm: ops.f.custom_all_reduce_add_rms_norm.clone(),
             dtype: ops.dtype,
@@ -279,7 +345,7 @@ impl CustomAllReduce {
             slot_bytes,
         };
         // Flags start at zero on every rank before any rank can write one: the exchange
-        // below is the first thing all ranks wait for together.
+        // in `connect` is the first thing all ranks wait for together.
         // SAFETY: `own` holds `bytes` bytes.
         unsafe { sys::cuMemsetD8_v2(own, 0, bytes) }
             .result()
@@ -293,20 +359,23 @@ impl CustomAllReduce {
         unsafe { sys::cuIpcGetMemHandle(&mut handle, own) }
             .result()
             .map_err(|e| driver_error("cuIpcGetMemHandle", e))?;
+        Ok(LocalBuffer { car, handle })
+    }
+
+    /// Every rank's buffer into the group's pointers: this rank's own, a same-process
+    /// rank's by peer access, another process's by its IPC handle.
+    fn open_peers(
+        &mut self,
+        rank: usize,
+        records: &[(u64, u64, sys::CUipcMemHandle)],
+    ) -> Result<()> {
         let me = process_id();
-        let records = exchange(&record(me, own, &handle))?;
-        ensure!(
-            records.len() == RECORD_BYTES * world_size,
-            "custom all-reduce: {} bytes of peer records, expected {}",
-            records.len(),
-            RECORD_BYTES * world_size
-        );
-        for (r, rec) in records.chunks(RECORD_BYTES).enumerate() {
-            let (process, ptr, handle) = parse_record(rec);
+        let slot_bytes = self.slot_bytes as u64;
+        for (r, &(process, ptr, handle)) in records.iter().enumerate() {
             let addr = if r == rank {
-                own
+                self.own
             } else if process == me {
-                car.enable_peer_access(r)?;
+                self.enable_peer_access(r)?;
                 ptr
             } else {
                 let mut p = 0;
@@ -320,15 +389,15 @@ impl CustomAllReduce {
                 }
                 .result()
                 .map_err(|e| driver_error(&format!("opening rank {r}'s IPC handle"), e))?;
-                car.opened.push(p);
+                self.opened.push(p);
                 p
             };
             // Two staging slots, the flags, then the lines (the kernel's layout).
-            car.group.data[r] = addr;
-            car.group.flags[r] = addr + 2 * slot_bytes as u64;
-            car.group.lines[r] = car.group.flags[r] + FLAG_BYTES as u64;
+            self.group.data[r] = addr;
+            self.group.flags[r] = addr + 2 * slot_bytes;
+            self.group.lines[r] = self.group.flags[r] + FLAG_BYTES as u64;
         }
-        Ok(car)
+        Ok(())
     }
 
     /// Peer access to GPU `peer`'s primary context, for a rank in this same process. Raw

@@ -27,7 +27,7 @@ pub mod thin_gemm;
 
 pub use attention_plan::{AttentionKernels, AttentionPlan, DecodeKernel};
 pub use capture_arena::{CaptureArena, DeviceBuf};
-pub use custom_all_reduce::{AbortWord, CustomAllReduce};
+pub use custom_all_reduce::{AbortWord, CustomAllReduce, CustomAllReduceSetup, LocalBuffer};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;

@@ -17,7 +17,9 @@ use anyhow::{ensure, Context, Result};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use vllm_kernels::cuda::device::driver_error;
 use vllm_kernels::cuda::nccl::{DataType, Nccl, RawComm, UniqueId};
-use vllm_kernels::cuda::{AbortWord, CudaDevice, CudaOps, CustomAllReduce, DType};
+use vllm_kernels::cuda::{
+    AbortWord, CudaDevice, CudaOps, CustomAllReduce, CustomAllReduceSetup, DType,
+};
 
 /// The largest all-reduce the custom kernel takes: 256 decode tokens of a 4096-wide model
 /// in bf16 are 2 MiB (see docs/BENCHMARKS.md for where it stops beating NCCL).
@@ -136,40 +138,61 @@ impl NcclCommunicator {
             rank,
             world_size,
         };
-        if mode == CustomAllReduceMode::Auto && CustomAllReduce::peers_reachable(world_size)? {
-            let custom = CustomAllReduce::new(
-                dev,
-                ops,
-                rank,
-                world_size,
-                CUSTOM_ALL_REDUCE_MAX_BYTES,
-                |record| group.all_gather_bytes(record),
-            )
-            .context(
-                "setting up the custom all-reduce over the GPUs' peer memory \
-                 (--disable-custom-all-reduce runs every all-reduce through NCCL)",
-            )?;
-            let _ = group.handle.custom.set(custom.abort_word());
-            group.custom = Some(custom);
-        }
+        let why_nccl = group.set_up_custom_all_reduce(dev, ops, mode)?;
         tracing::info!(
             rank,
             custom_all_reduce = group.custom.is_some(),
             max_bytes = CUSTOM_ALL_REDUCE_MAX_BYTES,
             "all-reduce of small messages: {}",
-            if group.custom.is_some() {
-                "one-shot kernel over peer memory"
-            } else if mode == CustomAllReduceMode::Disabled {
-                "NCCL (--disable-custom-all-reduce)"
-            } else {
-                "NCCL (the GPUs cannot reach each other's memory)"
+            match &why_nccl {
+                None => "one-shot kernel over peer memory".to_string(),
+                Some(why) => format!("NCCL ({why})"),
             }
         );
         Ok(group)
     }
 
+    /// Sets up the custom all-reduce where `mode` and the GPUs allow; otherwise why not.
+    /// A rank that cannot set it up (IPC refused in a container, memory) does not fail
+    /// the group: every rank agrees, warns, and keeps NCCL (`CustomAllReduce::connect`).
+    fn set_up_custom_all_reduce(
+        &mut self,
+        dev: &CudaDevice,
+        ops: &CudaOps,
+        mode: CustomAllReduceMode,
+    ) -> Result<Option<String>> {
+        if mode == CustomAllReduceMode::Disabled {
+            return Ok(Some("--disable-custom-all-reduce".into()));
+        }
+        if !CustomAllReduce::peers_reachable(self.world_size)? {
+            return Ok(Some("the GPUs cannot reach each other's memory".into()));
+        }
+        let (rank, world_size) = (self.rank, self.world_size);
+        let local =
+            CustomAllReduce::allocate(dev, ops, rank, world_size, CUSTOM_ALL_REDUCE_MAX_BYTES);
+        let setup = CustomAllReduce::connect(local, rank, world_size, |bytes| {
+            self.all_gather_bytes(bytes)
+        })
+        .context("swapping the custom all-reduce's buffers between the ranks")?;
+        match setup {
+            CustomAllReduceSetup::Ready(custom) => {
+                let _ = self.handle.custom.set(custom.abort_word());
+                self.custom = Some(*custom);
+                Ok(None)
+            }
+            CustomAllReduceSetup::Unavailable(why) => {
+                tracing::warn!(
+                    rank,
+                    "the custom all-reduce could not be set up, so NCCL takes every \
+                     all-reduce (--disable-custom-all-reduce skips the attempt): {why}"
+                );
+                Ok(Some(format!("the custom all-reduce's setup failed: {why}")))
+            }
+        }
+    }
+
     /// Every rank's `bytes` (one length on all ranks), in rank order, through NCCL.
-    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>> {
+    pub(crate) fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>> {
         let (nccl, comm) = self.live()?;
         let send = self
             .stream

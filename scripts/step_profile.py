@@ -16,6 +16,9 @@ steps with prefill tokens, how many there were and the mean of each phase:
   worker (every backend, "step executed"): idle_us (waiting for the step to arrive: near
           0 when the engine queued it ahead), execute_us (the step in the runner)
 
+and then the decode steps by batch size: the time from one engine step's line to the
+next (with the GPU the bottleneck, each step's share of the run) summed by batch.
+
 usage: scripts/step_profile.py LOG...
 """
 import re
@@ -58,6 +61,41 @@ def table(rows, message, phases):
               " ".join(f"{m:>12.0f}" for m in means) + f" {total:>9.2f}")
 
 
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:(\d\d):(\d\d(?:\.\d+)?))Z")
+BATCHES = [(1, 32), (33, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 30)]
+
+
+def periods_by_batch(paths):
+    """Seconds between consecutive "engine step" lines, summed by the batch of the first."""
+    last = None
+    sums = defaultdict(lambda: [0, 0.0])
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                line = ANSI.sub("", line)
+                m = STAMP.match(line)
+                if not m or "engine step" not in line:
+                    continue
+                t = int(m.group(2)) * 60 + float(m.group(3))
+                s = {k: int(v) for k, v in FIELD.findall(line)}
+                if last is not None and t >= last[0]:
+                    sums[last[1]][0] += 1
+                    sums[last[1]][1] += t - last[0]
+                last = (t, s.get("seqs", 0) if kind(s) == "decode" else -1)
+    if not sums:
+        return
+    print("step period by batch (decode; -1: steps with prefill tokens):")
+    print(f"  {'batch':<12} {'steps':>6} {'total s':>9} {'mean ms':>9}")
+    for lo, hi in [(-1, -1)] + BATCHES:
+        n, total = 0, 0.0
+        for b, (k, t) in sums.items():
+            if lo <= b <= hi:
+                n, total = n + k, total + t
+        if n:
+            name = "prefill" if lo < 0 else f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
+            print(f"  {name:<12} {n:>6} {total:>9.3f} {total / n * 1e3:>9.3f}")
+
+
 def main():
     paths = sys.argv[1:]
     if not paths:
@@ -68,6 +106,7 @@ def main():
     table(engine, "engine step", ["ahead_us", "wait_us"])
     table(steps(paths, "worker step"), "worker step", ["enqueue_us", "sample_us"])
     table(steps(paths, "step executed"), "step executed", ["idle_us", "execute_us"])
+    periods_by_batch(paths)
 
 
 if __name__ == "__main__":

@@ -428,6 +428,70 @@ fn decode_attention() {
     }
 }
 
+/// Decode attention at the later states of nanovllm-256 (prompts of 100–1,023 tokens,
+/// outputs of 100–1,024, so as sequences finish the batch shrinks and the rest grow):
+/// Qwen3-0.6B's heads, every decode kernel, the CUDA graph's plan for the batch's bucket
+/// (`DecodeGrid`: what the model runs) against fixed partitions.
+///
+///   cuda_bench decode_attention_late --ignored --nocapture
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
+fn decode_attention_late() {
+    use vllm_kernels::cuda::attention_plan::{decode_bucket, DecodeGrid};
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let spread = |n: usize, lo: i32, hi: i32| -> Vec<i32> {
+        (0..n as i32)
+            .map(|i| lo + (i * 379) % (hi - lo + 1))
+            .collect()
+    };
+    for lens in [
+        spread(192, 300, 1_600),
+        spread(128, 600, 1_900),
+        spread(64, 1_000, 2_000),
+        spread(32, 1_200, 2_000),
+        spread(16, 1_200, 2_000),
+        spread(8, 1_500, 2_000),
+        spread(8, 300, 600),
+        spread(4, 1_000, 2_000),
+        vec![2_000],
+        vec![8_000],
+    ] {
+        let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
+        let mut shape = DecodeShape::new(&dev, lens);
+        shape.set_q_heads(&dev, HQ);
+        let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
+        let (_, reference) = shape.run(&dev, &ops, &reference_plan);
+        let grid = DecodeGrid::for_bucket(decode_bucket(seqs), HQ, HKV, ops.num_sms)
+            .expect("the decode kernel takes a group of 2");
+        for kernel in DecodeKernel::ALL {
+            let mut graph = shape.plan(&ops, kernel, None);
+            graph.decode_partitions = grid.partitions;
+            graph.decode_partition = grid.partition_for(shape.keys, seqs).expect("within the grid");
+            graph.decode_smem_partition = grid.max_partition;
+            let mut plans = vec![("graph", graph)];
+            for p in [2048, 1024, 512, 256, 128, 64, 32] {
+                plans.push(("fixed", shape.plan(&ops, kernel, Some(p))));
+            }
+            for (name, plan) in plans {
+                if plan.decode_shared_bytes(D) > 48 * 1024 {
+                    continue;
+                }
+                let (s, out) = shape.run(&dev, &ops, &plan);
+                println!(
+                    "BENCH decode_late 0.6B {seqs}x{mean}~ {kernel:?} {name} part {}x{} \
+                     {:>8.2} us {:>6.3} TB/s max|diff| {:.2e}",
+                    plan.decode_partitions,
+                    plan.decode_partition,
+                    s * 1e6,
+                    shape.bytes() / s / 1e12,
+                    max_abs_diff(&out, &reference)
+                );
+            }
+        }
+    }
+}
+
 /// The largest |a - b|, NaN if any element is NaN.
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0.0f32, |m, (x, y)| {

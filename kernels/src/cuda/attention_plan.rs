@@ -43,6 +43,8 @@ pub const DEC_MAX_PARTITION: usize = 2048;
 /// sequence it covers, `DecodeGrid::max_keys`), so that a batch of long sequences keeps
 /// its CUDA graph.
 pub const DEC_MIN_GRID_PARTITIONS: usize = 4;
+/// The most partitions of a fixed decode grid.
+const DEC_MAX_GRID_PARTITIONS: usize = 64;
 /// Dynamic shared memory a decode block may take without opting in to more.
 const DEC_MAX_SHARED: usize = 48 * 1024;
 /// Head sizes with a compiled kernel.
@@ -168,13 +170,28 @@ pub struct DecodeGrid {
     /// The bucket's sequences alone fill every SM several times, so each sequence runs
     /// in as few partitions as the grid allows (`partition_for`).
     pub whole_sequences: bool,
+    /// Blocks a split step aims for (`partition_for`), per kv head.
+    target_blocks_per_head: usize,
 }
+
+/// The shared memory of a split grid's blocks, in keys. A grid sized for 2,048-key
+/// partitions holds 6 blocks an SM (36.9 KB each) whatever partition a step takes, where
+/// 1,024 keys (20 KB) let the registers' 7 in. On an H100 (Qwen3-0.6B, `bench latency`,
+/// 256 output tokens, docs/BENCHMARKS.md "Decode attention in the later steps"), TPOT at
+/// batch 16 × 1,500 prompt tokens went from 2.59 to 2.28 ms, 8 × 2,000 from 2.38 to 2.15,
+/// 64 × 1,000 from 4.85 to 4.75, 32 × 1,500 from 3.77 to 3.80; 512 keys did no better.
+const DEC_SPLIT_SMEM_PARTITION: usize = 1024;
+
+/// Blocks a split step aims for, an SM: about what the three-pass kernel holds at once.
+const DEC_TARGET_BLOCKS_PER_SM: usize = 6;
 
 impl DecodeGrid {
     /// The grid of `bucket` sequences: enough partitions that the blocks fill the SMs
     /// twice, and at least `DEC_MIN_GRID_PARTITIONS`, each up to the longest partition
-    /// whose shared memory fits without opting in (sized for the largest head). None when
-    /// the GQA group is too wide for the decode kernel.
+    /// whose shared memory fits without opting in (sized for the largest head). A grid
+    /// that splits sequences and has partitions to spare trades that for more, smaller
+    /// ones (`DEC_SPLIT_SMEM_PARTITION`) of the same reach. None when the GQA group is too
+    /// wide for the decode kernel.
     pub fn for_bucket(
         bucket: usize,
         num_q_heads: usize,
@@ -191,14 +208,22 @@ impl DecodeGrid {
         while decode_shared_bytes(max_partition, padded_group, max_head_dim) > DEC_MAX_SHARED {
             max_partition /= 2;
         }
+        let (num_sms, num_kv_heads) = (num_sms.max(1), num_kv_heads.max(1));
         let blocks = bucket.max(1) * num_kv_heads;
-        let partitions = (2 * num_sms.max(1))
+        let mut partitions = (2 * num_sms)
             .div_ceil(blocks)
-            .clamp(DEC_MIN_GRID_PARTITIONS, 64);
+            .clamp(DEC_MIN_GRID_PARTITIONS, DEC_MAX_GRID_PARTITIONS);
+        let whole_sequences = blocks >= 4 * num_sms;
+        let smaller = max_partition / DEC_SPLIT_SMEM_PARTITION.min(max_partition);
+        if !whole_sequences && partitions * smaller <= DEC_MAX_GRID_PARTITIONS {
+            partitions *= smaller;
+            max_partition /= smaller;
+        }
         Some(Self {
             partitions,
             max_partition,
-            whole_sequences: blocks >= 4 * num_sms.max(1),
+            whole_sequences,
+            target_blocks_per_head: (DEC_TARGET_BLOCKS_PER_SM * num_sms).div_ceil(num_kv_heads),
         })
     }
 
@@ -207,8 +232,8 @@ impl DecodeGrid {
         self.partitions * self.max_partition
     }
 
-    /// Keys per partition for a longest sequence of `max_keys`: a power of two from
-    /// `DEC_MIN_PARTITION` up, None past the grid's reach. The partitions past a
+    /// Keys per partition for `num_seqs` sequences, the longest of `max_keys`: a power of
+    /// two from `DEC_MIN_PARTITION` up, None past the grid's reach. The partitions past a
     /// sequence's end exit at once.
     ///
     /// A grid of `whole_sequences` takes the longest partition: a sequence that fits in
@@ -218,17 +243,28 @@ impl DecodeGrid {
     /// against 213.8 µs in 4 of 256 with their combine; the Qwen3-8B shape 225.0 against
     /// 250.4 µs. (Before the grid started the longest sequences first, 4 of 256 won:
     /// 233.6 against 247.8 µs, as the step waited on long sequences that started last.)
-    pub fn partition_for(&self, max_keys: usize) -> Option<usize> {
-        let p = max_keys
+    ///
+    /// Otherwise the longest partition whose blocks still reach the target (about six an
+    /// SM), else the shortest that covers the longest sequence: on an H100 8 sequences of
+    /// 1,500-2,000 keys took 33.1 µs a layer (one-pass) in partitions of 256, against 49.5
+    /// in the 512 that the reach alone gave (`cuda_bench decode_attention_late`).
+    pub fn partition_for(&self, max_keys: usize, num_seqs: usize) -> Option<usize> {
+        let shortest = max_keys
             .div_ceil(self.partitions)
             .max(DEC_MIN_PARTITION)
             .next_power_of_two();
-        let p = if self.whole_sequences {
-            p.max(self.max_partition)
-        } else {
-            p
-        };
-        (p <= self.max_partition).then_some(p)
+        if shortest > self.max_partition {
+            return None;
+        }
+        if self.whole_sequences {
+            return Some(self.max_partition);
+        }
+        let blocks = |p: usize| num_seqs * max_keys.div_ceil(p);
+        let mut p = self.max_partition;
+        while p > shortest && blocks(p) < self.target_blocks_per_head {
+            p /= 2;
+        }
+        Some(p)
     }
 }
 
@@ -324,7 +360,7 @@ impl AttentionPlan {
         if !plan.decode_seqs.is_empty() && plan.tile_seq.is_empty() {
             let bucket = decode_bucket(plan.decode_seqs.len());
             let grid = DecodeGrid::for_bucket(bucket, num_q_heads, num_kv_heads, num_sms);
-            if let Some((grid, p)) = grid.and_then(|g| Some((g, g.partition_for(max_decode_keys)?)))
+            if let Some((grid, p)) = grid.and_then(|g| Some((g, g.partition_for(max_decode_keys, plan.decode_seqs.len())?)))
             {
                 plan.decode_partition = p;
                 plan.decode_partitions = grid.partitions;
@@ -549,19 +585,48 @@ mod tests {
     }
 
     #[test]
+    fn split_grids_keep_their_reach_in_smaller_partitions_chosen_by_blocks() {
+        // Qwen3-0.6B (16 q / 8 kv heads) on 132 SMs. Batch 1 and 2 have no partitions to
+        // spare (33 and 17, times 2 past 64): as before.
+        let one = DecodeGrid::for_bucket(1, 16, 8, 132).unwrap();
+        assert_eq!((one.partitions, one.max_partition), (33, DEC_MAX_PARTITION));
+        // Bucket 8: 5 partitions of 2,048 became 10 of 1,024, the same reach.
+        let eight = DecodeGrid::for_bucket(8, 16, 8, 132).unwrap();
+        assert_eq!((eight.partitions, eight.max_partition), (10, 1024));
+        assert_eq!(eight.max_keys(), 5 * DEC_MAX_PARTITION);
+        // 8 × 1,699 keys: 512 would give 32 blocks a kv head, short of the 99 aimed for
+        // (6 × 132 SMs / 8); 256 is the shortest that 10 partitions cover.
+        assert_eq!(eight.partition_for(1699, 8), Some(256));
+        // 32 sequences: 1,024 gives 64 blocks a head, 512 gives 128.
+        let thirty_two = DecodeGrid::for_bucket(32, 16, 8, 132).unwrap();
+        assert_eq!((thirty_two.partitions, thirty_two.max_partition), (8, 1024));
+        assert_eq!(thirty_two.partition_for(1756, 32), Some(512));
+        // 64 sequences reach the target at 1,024.
+        let sixty_four = DecodeGrid::for_bucket(64, 16, 8, 132).unwrap();
+        assert_eq!(sixty_four.partition_for(1256, 64), Some(1024));
+        // Short sequences split until their blocks reach the target: 100 keys in 2 of 64.
+        assert_eq!(sixty_four.partition_for(100, 64), Some(64));
+        assert_eq!(sixty_four.partition_for(sixty_four.max_keys() + 1, 64), None);
+        // Whole-sequence grids are as they were.
+        let whole = DecodeGrid::for_bucket(256, 16, 8, 132).unwrap();
+        assert_eq!((whole.partitions, whole.max_partition), (4, DEC_MAX_PARTITION));
+        assert_eq!(whole.partition_for(700, 256), Some(DEC_MAX_PARTITION));
+    }
+
+    #[test]
     fn a_short_decode_fills_a_few_partitions_of_the_fixed_grid() {
         // Batch 1 of Qwen3-0.6B: 33 partitions per kv head, for sequences up to 33 × 2048
         // keys; a 384-key sequence takes 12 of DEC_MIN_PARTITION keys, the rest exit.
         let grid = DecodeGrid::for_bucket(1, 16, 8, 132).unwrap();
-        assert_eq!(grid.partition_for(384), Some(DEC_MIN_PARTITION));
-        assert_eq!(grid.partition_for(1), Some(DEC_MIN_PARTITION));
-        assert_eq!(grid.partition_for(33 * 128), Some(128));
-        assert_eq!(grid.partition_for(33 * 128 + 1), Some(256));
+        assert_eq!(grid.partition_for(384, 1), Some(DEC_MIN_PARTITION));
+        assert_eq!(grid.partition_for(1, 1), Some(DEC_MIN_PARTITION));
+        assert_eq!(grid.partition_for(33 * 128, 1), Some(128));
+        assert_eq!(grid.partition_for(33 * 128 + 1, 1), Some(256));
         assert_eq!(
-            grid.partition_for(grid.max_keys()),
+            grid.partition_for(grid.max_keys(), 1),
             Some(grid.max_partition)
         );
-        assert_eq!(grid.partition_for(grid.max_keys() + 1), None);
+        assert_eq!(grid.partition_for(grid.max_keys() + 1, 1), None);
         let p = AttentionPlan::new(&[0, 1], &[384], 16, 8, 132, FLASH).unwrap();
         assert_eq!((p.decode_partitions, p.decode_partition), (33, 32));
         assert_eq!(384usize.div_ceil(p.decode_partition), 12);

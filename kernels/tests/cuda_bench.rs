@@ -467,7 +467,9 @@ fn decode_attention_late() {
         for kernel in DecodeKernel::ALL {
             let mut graph = shape.plan(&ops, kernel, None);
             graph.decode_partitions = grid.partitions;
-            graph.decode_partition = grid.partition_for(shape.keys, seqs).expect("within the grid");
+            graph.decode_partition = grid
+                .partition_for(shape.keys, seqs)
+                .expect("within the grid");
             graph.decode_smem_partition = grid.max_partition;
             let mut plans = vec![("graph", graph)];
             for p in [2048, 1024, 512, 256, 128, 64, 32] {

@@ -360,7 +360,8 @@ impl AttentionPlan {
         if !plan.decode_seqs.is_empty() && plan.tile_seq.is_empty() {
             let bucket = decode_bucket(plan.decode_seqs.len());
             let grid = DecodeGrid::for_bucket(bucket, num_q_heads, num_kv_heads, num_sms);
-            if let Some((grid, p)) = grid.and_then(|g| Some((g, g.partition_for(max_decode_keys, plan.decode_seqs.len())?)))
+            if let Some((grid, p)) = grid
+                .and_then(|g| Some((g, g.partition_for(max_decode_keys, plan.decode_seqs.len())?)))
             {
                 plan.decode_partition = p;
                 plan.decode_partitions = grid.partitions;
@@ -606,10 +607,16 @@ mod tests {
         assert_eq!(sixty_four.partition_for(1256, 64), Some(1024));
         // Short sequences split until their blocks reach the target: 100 keys in 2 of 64.
         assert_eq!(sixty_four.partition_for(100, 64), Some(64));
-        assert_eq!(sixty_four.partition_for(sixty_four.max_keys() + 1, 64), None);
+        assert_eq!(
+            sixty_four.partition_for(sixty_four.max_keys() + 1, 64),
+            None
+        );
         // Whole-sequence grids are as they were.
         let whole = DecodeGrid::for_bucket(256, 16, 8, 132).unwrap();
-        assert_eq!((whole.partitions, whole.max_partition), (4, DEC_MAX_PARTITION));
+        assert_eq!(
+            (whole.partitions, whole.max_partition),
+            (4, DEC_MAX_PARTITION)
+        );
         assert_eq!(whole.partition_for(700, 256), Some(DEC_MAX_PARTITION));
     }
 

@@ -476,7 +476,11 @@ fn decode_attention_late() {
                 plans.push(("fixed", shape.plan(&ops, kernel, Some(p))));
             }
             for (name, plan) in plans {
-                if plan.decode_shared_bytes(D) > 48 * 1024 {
+                // Past the shared memory a block takes without opting in, or (one sequence
+                // keeps the grid's partition count) short of the sequence's keys.
+                if plan.decode_shared_bytes(D) > 48 * 1024
+                    || plan.decode_partitions * plan.decode_partition < shape.keys
+                {
                     continue;
                 }
                 let (s, out) = shape.run(&dev, &ops, &plan);

@@ -164,12 +164,16 @@ impl NcclCommunicator {
         if mode == CustomAllReduceMode::Disabled {
             return Ok(Some("--disable-custom-all-reduce".into()));
         }
-        if !CustomAllReduce::peers_reachable(self.world_size)? {
+        let (rank, world_size) = (self.rank, self.world_size);
+        // The same answer on every rank (one topology); a rank whose query itself fails
+        // still takes part in the exchanges, as a failed setup.
+        let reachable = CustomAllReduce::peers_reachable(world_size);
+        if let Ok(false) = reachable {
             return Ok(Some("the GPUs cannot reach each other's memory".into()));
         }
-        let (rank, world_size) = (self.rank, self.world_size);
-        let local =
-            CustomAllReduce::allocate(dev, ops, rank, world_size, CUSTOM_ALL_REDUCE_MAX_BYTES);
+        let local = reachable.and_then(|_| {
+            CustomAllReduce::allocate(dev, ops, rank, world_size, CUSTOM_ALL_REDUCE_MAX_BYTES)
+        });
         let setup = CustomAllReduce::connect(local, rank, world_size, |bytes| {
             self.all_gather_bytes(bytes)
         })

@@ -429,8 +429,9 @@ fn decode_attention() {
 }
 
 /// Decode attention at the later states of nanovllm-256 (prompts of 100–1,023 tokens,
-/// outputs of 100–1,024, so as sequences finish the batch shrinks and the rest grow):
-/// Qwen3-0.6B's heads, every decode kernel, the CUDA graph's plan for the batch's bucket
+/// outputs of 100–1,024, so as sequences finish the batch shrinks and the rest grow), and
+/// at small batches of long sequences: Qwen3-0.6B's and Qwen3-8B's heads, every decode
+/// kernel, the CUDA graph's plan for the batch's bucket
 /// (`DecodeGrid`: what the model runs) against fixed partitions.
 ///
 ///   cuda_bench decode_attention_late --ignored --nocapture
@@ -454,45 +455,50 @@ fn decode_attention_late() {
         spread(8, 1_500, 2_000),
         spread(8, 300, 600),
         spread(4, 1_000, 2_000),
+        spread(2, 1_000, 2_000),
+        vec![384],
+        vec![1_000],
         vec![2_000],
         vec![8_000],
     ] {
         let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
         let mut shape = DecodeShape::new(&dev, lens);
-        shape.set_q_heads(&dev, HQ);
-        let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
-        let (_, reference) = shape.run(&dev, &ops, &reference_plan);
-        let grid = DecodeGrid::for_bucket(decode_bucket(seqs), HQ, HKV, ops.num_sms)
-            .expect("the decode kernel takes a group of 2");
-        for kernel in DecodeKernel::ALL {
-            let mut graph = shape.plan(&ops, kernel, None);
-            graph.decode_partitions = grid.partitions;
-            graph.decode_partition = grid
-                .partition_for(shape.keys, seqs)
-                .expect("within the grid");
-            graph.decode_smem_partition = grid.max_partition;
-            let mut plans = vec![("graph", graph)];
-            for p in [2048, 1024, 512, 256, 128, 64, 32] {
-                plans.push(("fixed", shape.plan(&ops, kernel, Some(p))));
-            }
-            for (name, plan) in plans {
-                // Past the shared memory a block takes without opting in, or (one sequence
-                // keeps the grid's partition count) short of the sequence's keys.
-                if plan.decode_shared_bytes(D) > 48 * 1024
-                    || plan.decode_partitions * plan.decode_partition < shape.keys
-                {
-                    continue;
+        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+            shape.set_q_heads(&dev, hq);
+            let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
+            let (_, reference) = shape.run(&dev, &ops, &reference_plan);
+            let grid = DecodeGrid::for_bucket(decode_bucket(seqs), hq, HKV, ops.num_sms)
+                .expect("the decode kernel takes groups of 2 and 4");
+            for kernel in DecodeKernel::ALL {
+                let mut graph = shape.plan(&ops, kernel, None);
+                graph.decode_partitions = grid.partitions;
+                graph.decode_partition = grid
+                    .partition_for(shape.keys, seqs)
+                    .expect("within the grid");
+                graph.decode_smem_partition = grid.max_partition;
+                let mut plans = vec![("graph", graph)];
+                for p in [2048, 1024, 512, 256, 128, 64, 32] {
+                    plans.push(("fixed", shape.plan(&ops, kernel, Some(p))));
                 }
-                let (s, out) = shape.run(&dev, &ops, &plan);
-                println!(
-                    "BENCH decode_late 0.6B {seqs}x{mean}~ {kernel:?} {name} part {}x{} \
-                     {:>8.2} us {:>6.3} TB/s max|diff| {:.2e}",
-                    plan.decode_partitions,
-                    plan.decode_partition,
-                    s * 1e6,
-                    shape.bytes() / s / 1e12,
-                    max_abs_diff(&out, &reference)
-                );
+                for (name, plan) in plans {
+                    // Past the shared memory a block takes without opting in, or (one
+                    // sequence keeps the grid's partition count) short of its keys.
+                    if plan.decode_shared_bytes(D) > 48 * 1024
+                        || plan.decode_partitions * plan.decode_partition < shape.keys
+                    {
+                        continue;
+                    }
+                    let (s, out) = shape.run(&dev, &ops, &plan);
+                    println!(
+                        "BENCH decode_late {model} {seqs}x{mean}~ {kernel:?} {name} part {}x{} \
+                         {:>8.2} us {:>6.3} TB/s max|diff| {:.2e}",
+                        plan.decode_partitions,
+                        plan.decode_partition,
+                        s * 1e6,
+                        shape.bytes() / s / 1e12,
+                        max_abs_diff(&out, &reference)
+                    );
+                }
             }
         }
     }

@@ -174,9 +174,12 @@ pub struct DecodeGrid {
     target_blocks_per_head: usize,
 }
 
-/// The shared memory of a split grid's blocks, in keys. A grid sized for 2,048-key
-/// partitions holds 6 blocks an SM (36.9 KB each) whatever partition a step takes, where
-/// 1,024 keys (20 KB) let the registers' 7 in. On an H100 (Qwen3-0.6B, `bench latency`,
+/// The shared memory of a split grid's blocks, in keys, and with it twice the partitions
+/// (what DEC_MAX_PARTITION keys would have given), for every GQA group. A grid sized for
+/// 2,048-key partitions holds 6 blocks an SM (36.9 KB each) whatever partition a step
+/// takes, where 1,024 keys (20 KB) let the registers' 7 in; and a wider group, which
+/// fits only 1,024, gets the partitions that let short partitions fill the SMs (Qwen3-8B
+/// TPOT at 8 × 2,000 prompt tokens 9.06 -> 8.38 ms, 4 × 1,300 7.05 -> 6.73). On an H100 (Qwen3-0.6B, `bench latency`,
 /// 256 output tokens, docs/BENCHMARKS.md "Decode attention in the later steps"), TPOT at
 /// batch 16 × 1,500 prompt tokens went from 2.59 to 2.28 ms, 8 × 2,000 from 2.38 to 2.15,
 /// 64 × 1,000 from 4.85 to 4.75, 32 × 1,500 from 3.77 to 3.80; 512 keys did no better.
@@ -214,10 +217,12 @@ impl DecodeGrid {
             .div_ceil(blocks)
             .clamp(DEC_MIN_GRID_PARTITIONS, DEC_MAX_GRID_PARTITIONS);
         let whole_sequences = blocks >= 4 * num_sms;
-        let smaller = max_partition / DEC_SPLIT_SMEM_PARTITION.min(max_partition);
-        if !whole_sequences && partitions * smaller <= DEC_MAX_GRID_PARTITIONS {
-            partitions *= smaller;
-            max_partition /= smaller;
+        // Split grids: as many partitions as shared memory for DEC_MAX_PARTITION keys would
+        // have given (a wider group fits fewer keys, and its grid no fewer partitions).
+        let more = DEC_MAX_PARTITION / DEC_SPLIT_SMEM_PARTITION;
+        if !whole_sequences && partitions * more <= DEC_MAX_GRID_PARTITIONS {
+            partitions *= more;
+            max_partition = max_partition.min(DEC_SPLIT_SMEM_PARTITION);
         }
         Some(Self {
             partitions,
@@ -611,6 +616,12 @@ mod tests {
             sixty_four.partition_for(sixty_four.max_keys() + 1, 64),
             None
         );
+        // Qwen3-8B's group of 4 fits 1,024 keys of shared memory at most: its split grids
+        // double their partitions all the same (bucket 8: 5 of 1,024 became 10), so that
+        // 8 × 1,699 keys take 256 a partition, not 512.
+        let wide = DecodeGrid::for_bucket(8, 32, 8, 132).unwrap();
+        assert_eq!((wide.partitions, wide.max_partition), (10, 1024));
+        assert_eq!(wide.partition_for(1699, 8), Some(256));
         // Whole-sequence grids are as they were.
         let whole = DecodeGrid::for_bucket(256, 16, 8, 132).unwrap();
         assert_eq!(

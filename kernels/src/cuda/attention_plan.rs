@@ -174,15 +174,16 @@ pub struct DecodeGrid {
     target_blocks_per_head: usize,
 }
 
-/// The shared memory of a split grid's blocks, in keys, and with it twice the partitions
-/// (what DEC_MAX_PARTITION keys would have given), for every GQA group. A grid sized for
-/// 2,048-key partitions holds 6 blocks an SM (36.9 KB each) whatever partition a step
-/// takes, where 1,024 keys (20 KB) let the registers' 7 in; and a wider group, which
-/// fits only 1,024, gets the partitions that let short partitions fill the SMs (Qwen3-8B
-/// TPOT at 8 × 2,000 prompt tokens 9.06 -> 8.38 ms, 4 × 1,300 7.05 -> 6.73). On an H100 (Qwen3-0.6B, `bench latency`,
-/// 256 output tokens, docs/BENCHMARKS.md "Decode attention in the later steps"), TPOT at
-/// batch 16 × 1,500 prompt tokens went from 2.59 to 2.28 ms, 8 × 2,000 from 2.38 to 2.15,
-/// 64 × 1,000 from 4.85 to 4.75, 32 × 1,500 from 3.77 to 3.80; 512 keys did no better.
+/// The shared memory of a split grid's blocks, in keys; such a grid also takes twice the
+/// partitions that 2,048-key partitions would need, whatever its GQA group fits.
+/// - A grid sized for 2,048 keys holds 6 blocks an SM (36.9 KB each) whatever partition a
+///   step takes; at 1,024 keys (20 KB) the registers' 7 fit. Qwen3-0.6B TPOT on an H100
+///   (`bench latency`, 256 output tokens): batch 16 × 1,500 prompt tokens 2.59 -> 2.28 ms,
+///   8 × 2,000 2.38 -> 2.15, 64 × 1,000 4.85 -> 4.75, 32 × 1,500 3.77 -> 3.80; 512 keys
+///   did no better.
+/// - A group of 4 fits 1,024 keys at most; the doubled partitions let its short
+///   partitions fill the SMs. Qwen3-8B TPOT: 8 × 2,000 9.06 -> 8.38 ms, 4 × 1,300 7.05 ->
+///   6.73 (docs/BENCHMARKS.md, "Decode attention in the later steps").
 const DEC_SPLIT_SMEM_PARTITION: usize = 1024;
 
 /// Blocks a split step aims for, an SM: about what the three-pass kernel holds at once.
@@ -192,9 +193,9 @@ impl DecodeGrid {
     /// The grid of `bucket` sequences: enough partitions that the blocks fill the SMs
     /// twice, and at least `DEC_MIN_GRID_PARTITIONS`, each up to the longest partition
     /// whose shared memory fits without opting in (sized for the largest head). A grid
-    /// that splits sequences and has partitions to spare trades that for more, smaller
-    /// ones (`DEC_SPLIT_SMEM_PARTITION`) of the same reach. None when the GQA group is too
-    /// wide for the decode kernel.
+    /// that splits sequences takes twice those partitions where the cap allows, sized for
+    /// at most `DEC_SPLIT_SMEM_PARTITION` keys. None when the GQA group is too wide for the
+    /// decode kernel.
     pub fn for_bucket(
         bucket: usize,
         num_q_heads: usize,
@@ -592,10 +593,12 @@ mod tests {
 
     #[test]
     fn split_grids_keep_their_reach_in_smaller_partitions_chosen_by_blocks() {
-        // Qwen3-0.6B (16 q / 8 kv heads) on 132 SMs. Batch 1 and 2 have no partitions to
-        // spare (33 and 17, times 2 past 64): as before.
+        // Qwen3-0.6B (16 q / 8 kv heads) on 132 SMs. Batch 1 has no partitions to spare
+        // (33, twice is past 64): as before. Batch 2's 17 of 2,048 become 34 of 1,024.
         let one = DecodeGrid::for_bucket(1, 16, 8, 132).unwrap();
         assert_eq!((one.partitions, one.max_partition), (33, DEC_MAX_PARTITION));
+        let two = DecodeGrid::for_bucket(2, 16, 8, 132).unwrap();
+        assert_eq!((two.partitions, two.max_partition), (34, 1024));
         // Bucket 8: 5 partitions of 2,048 became 10 of 1,024, the same reach.
         let eight = DecodeGrid::for_bucket(8, 16, 8, 132).unwrap();
         assert_eq!((eight.partitions, eight.max_partition), (10, 1024));

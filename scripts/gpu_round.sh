@@ -6,6 +6,9 @@
 #                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
 #                                     gemm-bench (decode GEMMs at batch 1-32: thin_gemm against cuBLAS and gemv)
+#                                     decode-late (decode attention at small batches of long
+#                                     sequences: each grid's plan against fixed partitions)
+#                                     long-context (TPOT at those batches; BASE_BIN alternates)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
 #                                     batch-bench (decode steps at batch 256, then ncu per kernel)
@@ -409,9 +412,30 @@ sampling_bench() {
     python3 scripts/ncu_sass.py "$LOG/ncu-sampling-sass.csv" 500 8
 }
 
+# TPOT of decode batches of long sequences (split decode grids), Qwen3-0.6B and Qwen3-8B
+# shapes; with $BASE_BIN set, that build alternates with $BIN on every shape.
+long_context() {
+    local m=$MODELS/qwen3-0.6b shape model bs il bins b tpot line
+    make_model qwen3-0.6b "$m"
+    bins="$BIN${BASE_BIN:+ $BASE_BIN $BIN $BASE_BIN}"
+    for shape in "$m 8 2000" "$m 16 1500" "$m 32 1500" "$m 64 1000" "$G/models/Qwen3-8B 8 2000" \
+        "$G/models/Qwen3-8B 4 1300"; do
+        read -r model bs il <<<"$shape"
+        line="BENCH long-context $(basename "$model") batch $bs x $il tokens, TPOT ms:"
+        for b in $bins; do
+            tpot=$(timeout -k 5 "${BENCH_TIMEOUT:-120}" "$b" bench latency --model "$model" \
+                --load-format dummy --device cuda --attention-backend flash $ENGINE_ARGS \
+                --input-len "$il" --output-len 128 --batch-size "$bs" --num-iters-warmup 1 \
+                --num-iters 2 2>>"$LOG/long-context.err" | awk '/Mean TPOT/ {print $3}')
+            line="$line $(basename "$b")=${tpot:-failed}"
+        done
+        echo "$line"
+    done
+}
+
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS
-export -f make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
+export -f long_context make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b
 
 for s in $STAGES; do
@@ -431,6 +455,8 @@ for s in $STAGES; do
     sampling-bench) stage sampling-bench sampling_bench ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
     gemm-bench) stage gemm-bench "$G/cuda_bench" decode_gemms --ignored --nocapture ;;
+    decode-late) stage decode-late "$G/cuda_bench" decode_attention_late --ignored --nocapture ;;
+    long-context) stage long-context long_context ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;
     latency-8b) stage latency-8b latency_8b ;;

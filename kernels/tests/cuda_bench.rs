@@ -373,72 +373,26 @@ fn decode_attention() {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     let ragged: Vec<i32> = (0..256).map(|i| 100 + (i * 379) % 924).collect();
-    let big = &[
-        None,
-        Some(2048),
-        Some(1024),
-        Some(512),
-        Some(256),
-        Some(128),
-    ][..];
-    for (lens, partitions) in [
-        (vec![601; 256], big),
-        (ragged, big),
-        (vec![384], &[None, Some(64), Some(128), Some(256)][..]),
-    ] {
-        let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
-        let mut shape = DecodeShape::new(&dev, lens);
-        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
-            shape.set_q_heads(&dev, hq);
-            let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
-            let (_, reference) = shape.run(&dev, &ops, &reference_plan);
-            for kernel in DecodeKernel::ALL {
-                for &partition in partitions {
-                    let plan = shape.plan(&ops, kernel, partition);
-                    if plan.decode_shared_bytes(D) > 48 * 1024 {
-                        continue; // past the shared memory a block takes without opting in
-                    }
-                    let ragged = shape.keys != mean;
-                    let what = format!(
-                        "decode {model} {seqs}x{mean}{} {kernel:?} part {}x{}",
-                        if ragged { "~" } else { "" },
-                        plan.decode_partitions,
-                        plan.decode_partition
-                    );
-                    let row = |what: &str, plan: &AttentionPlan| {
-                        let (s, out) = shape.run(&dev, &ops, plan);
-                        let diff = max_abs_diff(&out, &reference);
-                        println!(
-                            "BENCH decode_attention {what:<48} {:>8.2} us {:>6.3} TB/s \
-                             max|diff| {diff:.2e}",
-                            s * 1e6,
-                            shape.bytes() / s / 1e12
-                        );
-                    };
-                    row(&what, &plan);
-                    if ragged && kernel == DecodeKernel::ThreePass {
-                        // The plan's longest-first order against the batch's own.
-                        let mut in_batch_order = plan.clone();
-                        in_batch_order.decode_seqs.sort();
-                        row(&format!("{what} batch order"), &in_batch_order);
-                    }
-                }
-            }
-        }
+    let big = [2048, 1024, 512, 256, 128];
+    let cases: [(Vec<i32>, &[usize]); 3] = [
+        (vec![601; 256], &big),
+        (ragged, &big),
+        (vec![384], &[64, 128, 256]),
+    ];
+    for (lens, partitions) in cases {
+        decode_plan_rows(&dev, &ops, "decode_attention", lens, partitions, true);
     }
 }
 
 /// Decode attention at the later states of nanovllm-256 (prompts of 100–1,023 tokens,
 /// outputs of 100–1,024, so as sequences finish the batch shrinks and the rest grow), and
-/// at small batches of long sequences: Qwen3-0.6B's and Qwen3-8B's heads, every decode
-/// kernel, the CUDA graph's plan for the batch's bucket
-/// (`DecodeGrid`: what the model runs) against fixed partitions.
+/// at small batches of long sequences, as `decode_attention`: the plan (what the model's
+/// CUDA graph of the batch's bucket runs, `DecodeGrid`) against fixed partitions.
 ///
-///   cuda_bench decode_attention_late --ignored --nocapture
+///   cuda_bench decode_attention_late --ignored --nocapture   (gpu_round.sh decode-late)
 #[test]
-#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh decode-late runs it"]
 fn decode_attention_late() {
-    use vllm_kernels::cuda::attention_plan::{decode_bucket, DecodeGrid};
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     let spread = |n: usize, lo: i32, hi: i32| -> Vec<i32> {
@@ -461,43 +415,63 @@ fn decode_attention_late() {
         vec![2_000],
         vec![8_000],
     ] {
-        let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
-        let mut shape = DecodeShape::new(&dev, lens);
-        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
-            shape.set_q_heads(&dev, hq);
-            let reference_plan = shape.plan(&ops, DecodeKernel::ThreePass, None);
-            let (_, reference) = shape.run(&dev, &ops, &reference_plan);
-            let grid = DecodeGrid::for_bucket(decode_bucket(seqs), hq, HKV, ops.num_sms)
-                .expect("the decode kernel takes groups of 2 and 4");
-            for kernel in DecodeKernel::ALL {
-                let mut graph = shape.plan(&ops, kernel, None);
-                graph.decode_partitions = grid.partitions;
-                graph.decode_partition = grid
-                    .partition_for(shape.keys, seqs)
-                    .expect("within the grid");
-                graph.decode_smem_partition = grid.max_partition;
-                let mut plans = vec![("graph", graph)];
-                for p in [2048, 1024, 512, 256, 128, 64, 32] {
-                    plans.push(("fixed", shape.plan(&ops, kernel, Some(p))));
+        let partitions = [2048, 1024, 512, 256, 128, 64, 32];
+        decode_plan_rows(&dev, &ops, "decode_late", lens, &partitions, false);
+    }
+}
+
+/// One `BENCH <bench>` row per (model, decode kernel, plan) for sequences of `lens` keys:
+/// the planned partition first, then each of `partitions` (skipping those past the shared
+/// memory a block takes without opting in, or, for one sequence, which keeps the grid's
+/// partition count, too short for its keys), each with its largest difference from the
+/// three-pass kernel's planned output. `batch_order`: ragged batches also run the
+/// three-pass plans in the batch's own order instead of longest first.
+fn decode_plan_rows(
+    dev: &CudaDevice,
+    ops: &CudaOps,
+    bench: &str,
+    lens: Vec<i32>,
+    partitions: &[usize],
+    batch_order: bool,
+) {
+    let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
+    let mut shape = DecodeShape::new(dev, lens);
+    let ragged = shape.keys != mean;
+    for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+        shape.set_q_heads(dev, hq);
+        let reference_plan = shape.plan(ops, DecodeKernel::ThreePass, None);
+        let (_, reference) = shape.run(dev, ops, &reference_plan);
+        let row = |what: &str, plan: &AttentionPlan| {
+            let (s, out) = shape.run(dev, ops, plan);
+            let diff = max_abs_diff(&out, &reference);
+            println!(
+                "BENCH {bench} {what:<52} {:>8.2} us {:>6.3} TB/s max|diff| {diff:.2e}",
+                s * 1e6,
+                shape.bytes() / s / 1e12
+            );
+        };
+        for kernel in DecodeKernel::ALL {
+            let planned = std::iter::once(None).chain(partitions.iter().map(|&p| Some(p)));
+            for partition in planned {
+                let plan = shape.plan(ops, kernel, partition);
+                if plan.decode_shared_bytes(D) > 48 * 1024
+                    || plan.decode_partitions * plan.decode_partition < shape.keys
+                {
+                    continue;
                 }
-                for (name, plan) in plans {
-                    // Past the shared memory a block takes without opting in, or (one
-                    // sequence keeps the grid's partition count) short of its keys.
-                    if plan.decode_shared_bytes(D) > 48 * 1024
-                        || plan.decode_partitions * plan.decode_partition < shape.keys
-                    {
-                        continue;
-                    }
-                    let (s, out) = shape.run(&dev, &ops, &plan);
-                    println!(
-                        "BENCH decode_late {model} {seqs}x{mean}~ {kernel:?} {name} part {}x{} \
-                         {:>8.2} us {:>6.3} TB/s max|diff| {:.2e}",
-                        plan.decode_partitions,
-                        plan.decode_partition,
-                        s * 1e6,
-                        shape.bytes() / s / 1e12,
-                        max_abs_diff(&out, &reference)
-                    );
+                let what = format!(
+                    "decode {model} {seqs}x{mean}{} {kernel:?} {} part {}x{}",
+                    if ragged { "~" } else { "" },
+                    if partition.is_none() { "plan" } else { "fixed" },
+                    plan.decode_partitions,
+                    plan.decode_partition
+                );
+                row(&what, &plan);
+                if batch_order && ragged && kernel == DecodeKernel::ThreePass {
+                    // The plan's longest-first order against the batch's own.
+                    let mut in_batch_order = plan.clone();
+                    in_batch_order.decode_seqs.sort();
+                    row(&format!("{what} batch order"), &in_batch_order);
                 }
             }
         }

@@ -20,7 +20,7 @@ use super::capture_arena::DeviceBuf;
 use super::device::{driver_error, CudaDevice};
 use super::dtype::DType;
 use super::launch::{ByValue, KernelLaunch};
-use super::ops::CudaOps;
+use super::ops::{norm_threads, norm_vectorised, CudaOps};
 
 /// The kernel's limits (custom_all_reduce.cu's CAR_* defines).
 pub const CUSTOM_ALL_REDUCE_MAX_RANKS: usize = 8;
@@ -495,11 +495,9 @@ impl CustomAllReduce {
     /// Whether `all_reduce_add_rms_norm` takes `rows` of `hidden`: a thread a 16-byte
     /// chunk of a row, a block a row, the low-latency lines.
     pub fn fits_norm(&self, rows: usize, hidden: usize) -> bool {
-        let vec = self.dtype.vec16();
         let bytes = rows * hidden * self.dtype.size();
         (1..=CUSTOM_ALL_REDUCE_NORM_MAX_ROWS).contains(&rows)
-            && hidden.is_multiple_of(vec)
-            && hidden / vec <= 1024
+            && norm_vectorised(hidden, self.dtype)
             && self.fits(bytes)
             && bytes <= CUSTOM_ALL_REDUCE_LL_MAX_BYTES
     }
@@ -536,8 +534,7 @@ impl CustomAllReduce {
             hidden: hidden as i32,
             eps,
         };
-        let threads = (hidden / self.dtype.vec16()).div_ceil(32) as u32 * 32;
-        self.launch(&self.func_norm, threads, &args)
+        self.launch(&self.func_norm, norm_threads(hidden, self.dtype), &args)
     }
 }
 

@@ -240,12 +240,18 @@ fn row_threads(cols: usize) -> u32 {
     (cols.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
-/// Threads of a norm's row: one 16-byte chunk each where the row is whole chunks and fits
-/// a block (norm.cu's vectorised path), else `row_threads`.
-fn norm_threads(hidden: usize, dtype: DType) -> u32 {
+/// Whether a norm's row of `hidden` takes norm.cu's vectorised path: whole 16-byte chunks,
+/// one a thread, that fit a block.
+pub(crate) fn norm_vectorised(hidden: usize, dtype: DType) -> bool {
     let vec = dtype.vec16();
-    if hidden.is_multiple_of(vec) && hidden / vec <= 1024 {
-        row_threads(hidden / vec)
+    hidden.is_multiple_of(vec) && hidden / vec <= 1024
+}
+
+/// Threads of a norm's row: one 16-byte chunk each on the vectorised path, else
+/// `row_threads`. The fused all-reduce + norm launches as many, so that its sums match.
+pub(crate) fn norm_threads(hidden: usize, dtype: DType) -> u32 {
+    if norm_vectorised(hidden, dtype) {
+        row_threads(hidden / dtype.vec16())
     } else {
         row_threads(hidden)
     }

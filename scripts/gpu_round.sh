@@ -348,8 +348,12 @@ tp_70b() {
     "$BIN" serve --model "$m" --load-format dummy --device cuda -t 2 --port $port \
         --max-model-len 8192 >"$LOG/serve-70b.log" 2>&1 &
     pid=$!
-    wait_health $port $pid 1800
-    echo "BENCH 70b TP=2 serve -> /health 200: $(awk "BEGIN{print $(date +%s.%N) - $t0}")s"
+    if wait_health $port $pid 1800; then
+        echo "BENCH 70b TP=2 serve -> /health 200: $(awk "BEGIN{print $(date +%s.%N) - $t0}")s"
+    else
+        echo "BENCH 70b TP=2 serve did not answer /health:"
+        tail -n 3 "$LOG/serve-70b.log" | sed 's/^/BENCH   /'
+    fi
     grep -a -E "loaded|KV cache|ERROR" "$LOG/serve-70b.log" | head -6
     echo "BENCH 70b completion: $(curl -s "localhost:$port/v1/completions" -H 'content-type: application/json' \
         -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}' | head -c 300)"
@@ -358,7 +362,7 @@ tp_70b() {
     echo "BENCH latency llama-3.1-70b TP=2 (128 prompt, 128 output, batch 1):"
     timeout -k 5 "${BENCH_TIMEOUT:-200}" "$BIN" bench latency --model "$m" --load-format dummy \
         --device cuda -t 2 --input-len 128 --output-len 128 --batch-size 1 \
-        --num-iters-warmup 1 --num-iters 3 --max-model-len 8192 \
+        --num-iters-warmup 1 --num-iters 3 --max-model-len 8192 ${ENGINE_ARGS:-} \
         2>"$LOG/latency-70b.err" | sed 's/^/BENCH   /'
     echo "BENCH   (rc=${PIPESTATUS[0]})"
 }

@@ -15,7 +15,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaSlice;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    DecodeKernel, Gemm, SampleRow, SampleRowEx, SamplingBatch,
+    Gemm, SampleRow, SampleRowEx, SamplingBatch,
 };
 
 const SEQS: usize = 256;
@@ -252,12 +252,12 @@ impl DecodeShape {
         (keys as usize * HKV * D * 2 * 2) as f64
     }
 
-    /// The plan of `kernel`; `partition` replaces its keys per partition: at batch 1 the
+    /// The flash plan; `partition` replaces its keys per partition: at batch 1 the
     /// fixed grid keeps its partition count (a different `DEC_MIN_PARTITION`), at larger
     /// batches the keys are split over just enough partitions, with shared memory for
     /// that partition.
-    fn plan(&self, ops: &CudaOps, kernel: DecodeKernel, partition: Option<usize>) -> AttentionPlan {
-        let kernels = AttentionKernels::flash(true).with_decode_kernel(kernel);
+    fn plan(&self, ops: &CudaOps, partition: Option<usize>) -> AttentionPlan {
+        let kernels = AttentionKernels::flash(true);
         let mut plan = AttentionPlan::new(
             &self.qsl,
             &self.seq_lens,
@@ -357,14 +357,13 @@ impl DecodeShape {
     }
 }
 
-/// Decode attention alone, every decode kernel (`DecodeKernel`, the three-pass kernel
-/// first as the reference), at the shapes of issue 11: batch 256 × 601 keys, batch 256
+/// Decode attention alone at the shapes of issue 11: batch 256 × 601 keys, batch 256
 /// of 100 to 1,023 keys (nanovllm-256's mix of lengths, as `decode_batch_bench` in the
 /// worker) and batch 1 × 384 keys (single-request latency, the combine included), for
 /// Qwen3-0.6B (16 q / 8 kv heads) and Qwen3-8B (32 / 8), head size 128, bf16. Each row
 /// also tries other keys per partition than the plan's (`part N`: one partition of 2048
 /// was the batch-256 CUDA graph's before `DEC_MIN_GRID_PARTITIONS`), and prints the
-/// largest difference from the three-pass kernel's output with its plan.
+/// largest difference from the output of the plan's own partitions.
 ///
 ///   cuda_bench decode_attention --ignored --nocapture   (scripts/gpu_round.sh kernel-bench)
 #[test]
@@ -420,12 +419,12 @@ fn decode_attention_late() {
     }
 }
 
-/// One `BENCH <bench>` row per (model, decode kernel, plan) for sequences of `lens` keys:
-/// the planned partition first, then each of `partitions` (skipping those past the shared
-/// memory a block takes without opting in, or, for one sequence, which keeps the grid's
-/// partition count, too short for its keys), each with its largest difference from the
-/// three-pass kernel's planned output. `batch_order`: ragged batches also run the
-/// three-pass plans in the batch's own order instead of longest first.
+/// One `BENCH <bench>` row per (model, plan) for sequences of `lens` keys: the planned
+/// partition first, then each of `partitions` (skipping those past the shared memory a
+/// block takes without opting in, or, for one sequence, which keeps the grid's partition
+/// count, too short for its keys), each with its largest difference from the planned
+/// output. `batch_order`: ragged batches also run each plan in the batch's own order
+/// instead of longest first.
 fn decode_plan_rows(
     dev: &CudaDevice,
     ops: &CudaOps,
@@ -439,7 +438,7 @@ fn decode_plan_rows(
     let ragged = shape.keys != mean;
     for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
         shape.set_q_heads(dev, hq);
-        let reference_plan = shape.plan(ops, DecodeKernel::ThreePass, None);
+        let reference_plan = shape.plan(ops, None);
         let (_, reference) = shape.run(dev, ops, &reference_plan);
         let row = |what: &str, plan: &AttentionPlan| {
             let (s, out) = shape.run(dev, ops, plan);
@@ -450,29 +449,27 @@ fn decode_plan_rows(
                 shape.bytes() / s / 1e12
             );
         };
-        for kernel in DecodeKernel::ALL {
-            let planned = std::iter::once(None).chain(partitions.iter().map(|&p| Some(p)));
-            for partition in planned {
-                let plan = shape.plan(ops, kernel, partition);
-                if plan.decode_shared_bytes(D) > 48 * 1024
-                    || plan.decode_partitions * plan.decode_partition < shape.keys
-                {
-                    continue;
-                }
-                let what = format!(
-                    "decode {model} {seqs}x{mean}{} {kernel:?} {} part {}x{}",
-                    if ragged { "~" } else { "" },
-                    if partition.is_none() { "plan" } else { "fixed" },
-                    plan.decode_partitions,
-                    plan.decode_partition
-                );
-                row(&what, &plan);
-                if batch_order && ragged && kernel == DecodeKernel::ThreePass {
-                    // The plan's longest-first order against the batch's own.
-                    let mut in_batch_order = plan.clone();
-                    in_batch_order.decode_seqs.sort();
-                    row(&format!("{what} batch order"), &in_batch_order);
-                }
+        let planned = std::iter::once(None).chain(partitions.iter().map(|&p| Some(p)));
+        for partition in planned {
+            let plan = shape.plan(ops, partition);
+            if plan.decode_shared_bytes(D) > 48 * 1024
+                || plan.decode_partitions * plan.decode_partition < shape.keys
+            {
+                continue;
+            }
+            let what = format!(
+                "decode {model} {seqs}x{mean}{} {} part {}x{}",
+                if ragged { "~" } else { "" },
+                if partition.is_none() { "plan" } else { "fixed" },
+                plan.decode_partitions,
+                plan.decode_partition
+            );
+            row(&what, &plan);
+            if batch_order && ragged {
+                // The plan's longest-first order against the batch's own.
+                let mut in_batch_order = plan.clone();
+                in_batch_order.decode_seqs.sort();
+                row(&format!("{what} batch order"), &in_batch_order);
             }
         }
     }
@@ -811,7 +808,7 @@ impl LayerBatch {
         let rows = seq_lens.len();
         let mut shape = DecodeShape::new(dev, seq_lens);
         shape.set_q_heads(dev, HQ);
-        let plan = shape.plan(ops, DecodeKernel::ThreePass, None);
+        let plan = shape.plan(ops, None);
         let inputs = shape.upload(dev, &plan);
         Self {
             rows,

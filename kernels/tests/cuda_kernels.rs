@@ -14,7 +14,7 @@ use vllm_kernels::cpu;
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    DecodeKernel, Gemm, SampleRowEx, SamplingBatch, THIN_GEMM_MAX_M,
+    Gemm, SampleRowEx, SamplingBatch, THIN_GEMM_MAX_M,
 };
 
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
@@ -831,11 +831,8 @@ fn attention_case(
 ) {
     let sixteen_bit = c.dtype != DType::F32;
     attention_case_with(c, r, seqs, hq, hkv, d, bs, AttentionKernels::CUDA_CORE);
-    // Every decode kernel the bench times (the variants exist for head size 128).
-    for decode in DecodeKernel::ALL {
-        let kernels = AttentionKernels::flash(sixteen_bit).with_decode_kernel(decode);
-        attention_case_with(c, r, seqs, hq, hkv, d, bs, kernels);
-    }
+    let flash = AttentionKernels::flash(sixteen_bit);
+    attention_case_with(c, r, seqs, hq, hkv, d, bs, flash);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -925,12 +922,8 @@ fn attention_case_with(
         .unwrap();
     let what = format!(
         "paged_attention seqs {seqs:?} hq {hq} hkv {hkv} d {d} bs {bs} tiles {:?} splits {} \
-         decode {:?} partitions {}×{}",
-        plan.tile_kernel,
-        plan.num_splits,
-        plan.decode_kernel,
-        plan.decode_partitions,
-        plan.decode_partition
+         decode partitions {}×{}",
+        plan.tile_kernel, plan.num_splits, plan.decode_partitions, plan.decode_partition
     );
     // Outputs are convex combinations of V rows (|v| <= 1): an absolute bound.
     let t = match c.dtype {
@@ -991,6 +984,11 @@ fn paged_attention_matches_cpu() {
         attention_case(&c, &mut r, &decodes, 32, 8, 128, 16);
         attention_case(&c, &mut r, &decodes, 64, 8, 128, 16);
         attention_case(&c, &mut r, &[(2500, 1)], 32, 8, 128, 16);
+        // One sequence short enough for batch 1's shortest partitions (32 keys), at groups
+        // 4 and 8 and an odd block size.
+        attention_case(&c, &mut r, &[(700, 1)], 32, 8, 128, 16);
+        attention_case(&c, &mut r, &[(300, 1)], 64, 8, 128, 16);
+        attention_case(&c, &mut r, &[(200, 1)], 8, 8, 32, 5);
         // A group of 16: decodes fall back to tiles.
         attention_case(&c, &mut r, &[(50, 1), (10, 30)], 16, 1, 64, 16);
     }

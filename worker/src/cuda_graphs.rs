@@ -163,7 +163,7 @@ pub struct CudaGraphs {
     /// [largest batch, vocab]: every graph writes its logits here.
     logits: CudaTensor,
     /// The memory of every graph's activations (capture_arena.rs in the kernels crate).
-    _arena: CaptureArena,
+    arena: CaptureArena,
 }
 
 impl CudaGraphs {
@@ -183,10 +183,7 @@ impl CudaGraphs {
             buf: b.ops.alloc_zeros(shape.iter().product())?.into(),
             shape,
         };
-        let arena = match shapes.first() {
-            Some(&largest) => arena_for(b, model, cache, largest)?,
-            None => CaptureArena::measuring(),
-        };
+        let arena = warm_up_and_size_arena(b, model, cache, &shapes)?;
         let mut graphs = BTreeMap::new();
         for &shape in &shapes {
             let graph =
@@ -220,12 +217,17 @@ impl CudaGraphs {
             shapes,
             graphs,
             logits,
-            _arena: arena,
+            arena,
         })
     }
 
     pub fn num_graphs(&self) -> usize {
         self.graphs.len()
+    }
+
+    /// Buffers that did not fit the arena and were allocated inside a capture.
+    pub fn allocation_nodes(&self) -> usize {
+        self.arena.fallbacks()
     }
 
     pub fn largest_batch(&self) -> usize {
@@ -278,26 +280,39 @@ impl CudaGraphs {
     }
 }
 
-/// An arena as large as one eager pass of the `largest` shape's capture step spans, with
-/// an eighth more, as smaller shapes' buffers may fall into its ranges less tightly.
-fn arena_for(
+/// Runs every shape's capture step once, eagerly: whatever a first call sets up (cuBLAS's
+/// heuristics, the stream-ordered pool) happens outside the captures, and the GEMMs of
+/// each batch size choose their algorithms, which the graphs then keep. The passes also
+/// measure the arena: as large as the most any of them spans, with an eighth more, as a
+/// capture's buffers may fall into the ranges less tightly. (The largest shape alone is
+/// not enough: a split decode grid of a smaller bucket can take more attention partials
+/// than a largest grid of whole sequences.)
+fn warm_up_and_size_arena(
     b: &CudaBackend,
     model: &LlamaForCausalLM<CudaBackend>,
     cache: &mut KvCache<CudaBackend>,
-    largest: GraphShape,
+    shapes: &[GraphShape],
 ) -> Result<CaptureArena> {
-    let meta = b.upload_step(&capture_step(largest))?;
     let measuring = CaptureArena::measuring();
-    b.ops.with_capture_arena(&measuring, || {
-        let hidden = model.forward(b, &meta, cache)?;
-        model.compute_logits(b, &hidden, &meta).map(drop)
-    })?;
+    for &shape in shapes {
+        let meta = b.upload_step(&capture_step(shape))?;
+        b.ops.with_capture_arena(&measuring, || {
+            b.tuning_gemms(|| -> Result<()> {
+                drop(model.compute_logits(b, &model.forward(b, &meta, cache)?, &meta)?);
+                Ok(())
+            })
+        })?;
+    }
+    if shapes.is_empty() {
+        return Ok(measuring);
+    }
     let bytes = measuring.high_water();
     CaptureArena::backed(&b.dev.stream, bytes + bytes / 8)
 }
 
-/// Captures one forward pass of `shape`'s capture step, its logits copied into `out`, its
-/// activations taken from `arena`.
+/// Captures one forward pass of `shape`'s capture step (run eagerly before, by
+/// `warm_up_and_size_arena`), its logits copied into `out`, its activations taken from
+/// `arena`.
 fn capture_one(
     b: &CudaBackend,
     model: &LlamaForCausalLM<CudaBackend>,
@@ -307,13 +322,6 @@ fn capture_one(
     arena: &CaptureArena,
 ) -> Result<CudaGraph> {
     let meta = b.upload_step(&capture_step(shape))?;
-    // One eager run first: whatever a first call sets up (cuBLAS's heuristics, the
-    // stream-ordered pool) happens outside the capture, and the GEMMs of this batch size
-    // choose their algorithms, which the graph then keeps.
-    b.tuning_gemms(|| -> Result<()> {
-        drop(model.compute_logits(b, &model.forward(b, &meta, cache)?, &meta)?);
-        Ok(())
-    })?;
     let stream = &b.dev.stream;
     let (graph, forward) = b.ops.with_capture_arena(arena, || {
         stream

@@ -663,6 +663,12 @@ impl ModelRunner<CudaBackend> {
         self.graphs.as_ref().map_or(0, CudaGraphs::num_graphs)
     }
 
+    /// Buffers of the graphs allocated inside a capture (0 when eager, and when every
+    /// buffer fit the capture arena).
+    pub fn cuda_graph_allocation_nodes(&self) -> usize {
+        self.graphs.as_ref().map_or(0, CudaGraphs::allocation_nodes)
+    }
+
     /// `execute_model` with sampling on the GPU: every parameter (penalties, logit bias,
     /// min_tokens and logprobs too) is applied on the device, so the logits never leave it;
     /// only the tokens and the asked-for logprobs come back. Never defers (the serial

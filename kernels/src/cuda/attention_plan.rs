@@ -50,36 +50,6 @@ const DEC_MAX_SHARED: usize = 48 * 1024;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
-/// Which kernel runs the one-token sequences (`csrc/attention_decode.cu`). Both take the
-/// same grid, arguments and partials, so the combine and every caller serve either.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeKernel {
-    /// `paged_attention_decode_d*_g*`: scores into shared memory, softmax, then V.
-    ThreePass,
-    /// `paged_attention_decode1_d*_g*`: one pass with an online softmax, K and V of a
-    /// key loaded together.
-    OnePass,
-}
-
-impl DecodeKernel {
-    pub const ALL: [Self; 2] = [Self::ThreePass, Self::OnePass];
-
-    /// The flash backend's kernel for a decode batch of `bucket` (`decode_bucket`)
-    /// sequences. On an H100 (`cuda_bench decode_attention`) one sequence of 384 keys in
-    /// 32-key partitions took 8.24 µs one-pass against 8.74 three-pass (Qwen3-0.6B, GQA
-    /// group 2) and 9.77 against 11.54 (Qwen3-8B, group 4), while at batch 256 three-pass
-    /// won (256 sequences of 100 to 1,023 keys, 4 partitions: 233.6 against 289.4 µs and
-    /// 352.0 against 371.8). The small buckets' fixed grids split a sequence into short
-    /// partitions as at batch 1, so they take one-pass.
-    pub fn for_bucket(bucket: usize) -> Self {
-        if bucket <= 8 {
-            Self::OnePass
-        } else {
-            Self::ThreePass
-        }
-    }
-}
-
 /// Which attention kernels a backend uses: `--attention-backend cuda-core` (the first,
 /// CUDA-core kernel for every token) or `flash` (the decode kernel for one-token
 /// sequences and the tensor-core prefill for the rest, where the dtype has it).
@@ -87,15 +57,12 @@ impl DecodeKernel {
 pub struct AttentionKernels {
     pub decode: bool,
     pub tensor_core_prefill: bool,
-    /// None: `DecodeKernel::for_bucket` picks one for each step.
-    pub decode_kernel: Option<DecodeKernel>,
 }
 
 impl AttentionKernels {
     pub const CUDA_CORE: Self = Self {
         decode: false,
         tensor_core_prefill: false,
-        decode_kernel: None,
     };
 
     /// The flash kernels; tensor cores only for 16-bit dtypes.
@@ -103,15 +70,6 @@ impl AttentionKernels {
         Self {
             decode: true,
             tensor_core_prefill: sixteen_bit,
-            decode_kernel: None,
-        }
-    }
-
-    /// The same kernels with `decode_kernel` for every step's one-token sequences.
-    pub fn with_decode_kernel(self, decode_kernel: DecodeKernel) -> Self {
-        Self {
-            decode_kernel: Some(decode_kernel),
-            ..self
         }
     }
 }
@@ -141,7 +99,6 @@ pub struct AttentionPlan {
     pub decode_seqs: Vec<i32>,
     /// The GQA group rounded up to a power of two: which decode kernel runs.
     pub decode_group: usize,
-    pub decode_kernel: DecodeKernel,
     /// Keys per decode partition, and partitions of the longest decode sequence (the
     /// grid's partition count, past the longest sequence for a fixed grid).
     pub decode_partition: usize,
@@ -252,8 +209,8 @@ impl DecodeGrid {
     ///
     /// Otherwise the longest partition whose blocks still reach the target (about six an
     /// SM), else the shortest that covers the longest sequence: on an H100 8 sequences of
-    /// 1,500-2,000 keys took 33.1 µs a layer (one-pass) in partitions of 256, against 49.5
-    /// in the 512 that the reach alone gave (`cuda_bench decode_attention_late`).
+    /// 1,500-2,000 keys took 26.8 µs a layer in partitions of 256, against 33.0 in 512
+    /// (`cuda_bench decode_attention_late`, Qwen3-0.6B).
     pub fn partition_for(&self, max_keys: usize, num_seqs: usize) -> Option<usize> {
         let shortest = max_keys
             .div_ceil(self.partitions)
@@ -319,7 +276,6 @@ impl AttentionPlan {
             split_keys: i32::MAX as usize,
             decode_seqs: Vec::new(),
             decode_group: group.next_power_of_two(),
-            decode_kernel: DecodeKernel::ThreePass,
             decode_partition: DEC_PARTITION,
             decode_partitions: 0,
             decode_smem_partition: DEC_PARTITION,
@@ -356,9 +312,6 @@ impl AttentionPlan {
         // sequence, so the order changes no value.
         plan.decode_seqs
             .sort_by_key(|&s| std::cmp::Reverse(seq_lens[s as usize]));
-        plan.decode_kernel = kernels
-            .decode_kernel
-            .unwrap_or_else(|| DecodeKernel::for_bucket(decode_bucket(plan.decode_seqs.len())));
         if tile_kernel == TileKernel::CudaCore {
             (plan.num_splits, plan.split_keys) =
                 cuda_core_splits(plan.num_tiles() * num_kv_heads, max_tile_keys, num_sms);
@@ -403,15 +356,10 @@ impl AttentionPlan {
         Ok(plan)
     }
 
-    /// Dynamic shared memory of a decode block: for the three-pass kernel the keys' cache
-    /// offsets, the scores and the cross-warp reduction; the one-pass kernel's is static.
+    /// Dynamic shared memory of a decode block: the keys' cache offsets, the scores and
+    /// the cross-warp reduction.
     pub fn decode_shared_bytes(&self, head_dim: usize) -> usize {
-        match self.decode_kernel {
-            DecodeKernel::ThreePass => {
-                decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
-            }
-            _ => 0,
-        }
+        decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
     }
 
     /// Index of the decode kernel for `decode_group` (1, 2, 4, 8 → 0..3).
@@ -446,32 +394,11 @@ mod tests {
     const FLASH: AttentionKernels = AttentionKernels {
         decode: true,
         tensor_core_prefill: true,
-        decode_kernel: Some(DecodeKernel::ThreePass),
     };
     const FLASH_F32: AttentionKernels = AttentionKernels {
         decode: true,
         tensor_core_prefill: false,
-        decode_kernel: Some(DecodeKernel::ThreePass),
     };
-
-    #[test]
-    fn the_flash_backend_takes_one_pass_decode_for_small_batches_only() {
-        let flash = AttentionKernels::flash(true);
-        for (n, want) in [
-            (1, DecodeKernel::OnePass),
-            (8, DecodeKernel::OnePass),
-            (9, DecodeKernel::ThreePass),
-            (256, DecodeKernel::ThreePass),
-        ] {
-            let qsl: Vec<i32> = (0..=n as i32).collect();
-            let p = AttentionPlan::new(&qsl, &vec![300; n], 32, 8, 132, flash).unwrap();
-            assert_eq!(p.decode_kernel, want, "{n} sequences");
-            // A kernel asked for is kept.
-            let asked = flash.with_decode_kernel(DecodeKernel::ThreePass);
-            let p = AttentionPlan::new(&qsl, &vec![300; n], 32, 8, 132, asked).unwrap();
-            assert_eq!(p.decode_kernel, DecodeKernel::ThreePass);
-        }
-    }
 
     #[test]
     fn tiles_cover_every_prefill_token_once_and_decodes_go_to_the_decode_kernel() {
@@ -658,23 +585,6 @@ mod tests {
         assert_eq!(p.decode_partitions, 1);
         let p = AttentionPlan::new(&qsl, &[8000, 4], 16, 8, 132, FLASH).unwrap();
         assert_eq!(p.decode_partition, 128);
-    }
-
-    #[test]
-    fn one_pass_decode_takes_the_same_grid_without_dynamic_shared_memory() {
-        let qsl: Vec<i32> = (0..=256).collect();
-        for kernel in DecodeKernel::ALL {
-            let kernels = FLASH.with_decode_kernel(kernel);
-            let p = AttentionPlan::new(&qsl, &[601; 256], 16, 8, 132, kernels).unwrap();
-            let three = AttentionPlan::new(&qsl, &[601; 256], 16, 8, 132, FLASH).unwrap();
-            assert_eq!(p.decode_kernel, kernel);
-            assert_eq!(
-                (p.decode_partitions, p.decode_partition),
-                (three.decode_partitions, three.decode_partition)
-            );
-            let smem = p.decode_shared_bytes(128);
-            assert_eq!(smem == 0, kernel != DecodeKernel::ThreePass, "{kernel:?}");
-        }
     }
 
     #[test]

@@ -25,7 +25,7 @@ pub mod sampling_ops;
 pub mod sources;
 pub mod thin_gemm;
 
-pub use attention_plan::{AttentionKernels, AttentionPlan, DecodeKernel};
+pub use attention_plan::{AttentionKernels, AttentionPlan};
 pub use capture_arena::{CaptureArena, DeviceBuf};
 pub use custom_all_reduce::{AbortWord, CustomAllReduce, CustomAllReduceSetup, LocalBuffer};
 pub use device::CudaDevice;

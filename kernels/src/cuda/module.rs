@@ -41,8 +41,6 @@ pub struct Functions<F = CudaFunction> {
     pub paged_attention_combine: F,
     /// The decode kernel by head size (16, 32, 64, 128), then GQA group (1, 2, 4, 8).
     pub paged_attention_decode: [[F; 4]; 4],
-    /// The one-pass decode kernel, indexed the same way.
-    pub paged_attention_decode1: [[F; 4]; 4],
     pub paged_attention_decode_combine: F,
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
     pub paged_attention_prefill: Option<[F; 4]>,
@@ -97,11 +95,6 @@ impl<F> Functions<F> {
             paged_attention_decode: family(HEAD_DIMS, |d| {
                 family([1, 2, 4, 8], |g| {
                     f(&format!("paged_attention_decode_d{d}_g{g}"))
-                })
-            })?,
-            paged_attention_decode1: family(HEAD_DIMS, |d| {
-                family([1, 2, 4, 8], |g| {
-                    f(&format!("paged_attention_decode1_d{d}_g{g}"))
                 })
             })?,
             paged_attention_decode_combine: f("paged_attention_decode_combine")?,

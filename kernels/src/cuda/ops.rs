@@ -12,7 +12,7 @@ use cudarc::driver::{
 };
 
 use super::attention_plan::{
-    AttentionPlan, DecodeKernel, TileKernel, ATT_THREADS, DEC_THREADS, HEAD_DIMS, PF_THREADS,
+    AttentionPlan, TileKernel, ATT_THREADS, DEC_THREADS, HEAD_DIMS, PF_THREADS,
 };
 use super::capture_arena::{CaptureArena, DeviceBuf};
 use super::device::{driver_error, CudaDevice};
@@ -882,10 +882,7 @@ impl CudaOps {
                 shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
             };
             let g = plan.decode_group_index();
-            let func = match plan.decode_kernel {
-                DecodeKernel::ThreePass => &self.f.paged_attention_decode[d_index][g],
-                DecodeKernel::OnePass => &self.f.paged_attention_decode1[d_index][g],
-            };
+            let func = &self.f.paged_attention_decode[d_index][g];
             // SAFETY: buffer sizes checked by `paged_attention`; block tables and seq_lens
             // are checked on the host by the caller, which holds their host copies.
             launch!(unsafe self, func => "paged_attention_decode", cfg; &args)?;

@@ -14,8 +14,9 @@
 // group, which also read the block table before every K and V load, ran Qwen3-0.6B's
 // group of 2 at 1.2 TB/s; this one reaches 2.6 TB/s (docs/BENCHMARKS.md).
 //
-// A one-pass kernel with the same contract follows (`paged_attention_decode1_*`);
-// `DecodeKernel` in attention_plan.rs picks between them.
+// (A one-pass kernel with an online softmax, K and V of a key loaded together, ran batches
+// of 1 to 8 until it lost to this one at every batch and length the bench measured
+// but one sequence in 32-key partitions: docs/BENCHMARKS.md, "Small decode batches".)
 
 #define DEC_THREADS 128
 #define DEC_WARPS (DEC_THREADS / 32)
@@ -134,6 +135,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
 
     if (k_begin >= k_end) {  // this partition lies past the sequence's end
+        pdl_enter();
         if (gridDim.y > 1 && tid < g) {
             a.part_ml[(p_row0 + tid) * 2] = NEG_INF;
             a.part_ml[(p_row0 + tid) * 2 + 1] = 0.f;
@@ -141,6 +143,14 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         return;
     }
 
+    // The keys' cache offsets come from the step's inputs alone, so they are looked up
+    // before the wait, while the kernel before finishes (common.cuh); q and the newest
+    // key are that kernel's output.
+    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
+    const long long kv_row = (long long)a.num_kv_heads * D;
+    for (int k = k_begin + tid; k < k_end; k += DEC_THREADS)
+        slots[k - k_begin] = cache_slot(table, k, a.block_size) * kv_row + (long long)kvh * D;
+    pdl_enter();
     float q[GP][8];
 #pragma unroll
     for (int h = 0; h < GP; ++h) {
@@ -153,10 +163,6 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
             for (int e = 0; e < 8; ++e) q[h][e] = 0.f;
         }
     }
-    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
-    const long long kv_row = (long long)a.num_kv_heads * D;
-    for (int k = k_begin + tid; k < k_end; k += DEC_THREADS)
-        slots[k - k_begin] = cache_slot(table, k, a.block_size) * kv_row + (long long)kvh * D;
     __syncthreads();
     // This lane's 8 columns of a key row.
     const scalar_t* k_lane = a.key_cache + sub * 8;
@@ -292,7 +298,6 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
 #define DECODE_KERNEL(D, GP)                                                              \
     extern "C" __global__ void __launch_bounds__(DEC_THREADS)                             \
         paged_attention_decode_d##D##_g##GP(DecodeArgs a) {                               \
-        pdl_enter();                                                                      \
         paged_attention_decode_impl<D, GP>(a);                                            \
     }
 #define DECODE_KERNELS(D) \
@@ -302,287 +307,11 @@ DECODE_KERNELS(32)
 DECODE_KERNELS(64)
 DECODE_KERNELS(128)
 
-// One-pass decode (`paged_attention_decode1_*`): the grid, arguments and outputs of the
-// kernel above, with flash-decoding inside the block. Each group of D/8 lanes walks its
-// own keys of the partition, U at a time, keeping a running max, sum and output per q head
-// of the GQA group (online softmax); a key's K and V rows load together, so a block has
-// both in flight at once and never waits between a score pass and a V pass, and no per-key
-// array lives in shared memory. The block-table entries of the next step's keys are read
-// while the current step's rows load. At the end the groups' states merge: by shuffles
-// inside a warp, then across warps through shared memory.
-
 // exp(m - ref): the weight of a softmax state whose max is m against a larger max ref;
 // 0 for a state that has seen no key yet (m = -inf), without the NaN of -inf - -inf.
 __device__ __forceinline__ float dec_rescale(float m, float ref) {
     return m == NEG_INF ? 0.f : __expf(m - ref);
 }
-
-// Keys per lane in flight: 64 bytes of K and 64 of V (f32 rows are twice as wide).
-__host__ __device__ constexpr int dec1_unroll(int gp) { return VEC16 == 8 ? 4 : 2; }
-// Blocks an SM must hold (ptxas keeps the registers within), for the 16-bit kernels at
-// 4 keys per lane: 16 KB in flight per 128 threads, and enough blocks resident that a
-// batch-256 grid of 2,048 blocks runs in about 4 waves. q of groups 4 and 8 lives in
-// shared memory (`Decode1Smem`), without which group 4 takes 160 registers (3 blocks) and
-// group 8 209 (2 blocks); 3 blocks of group 8 fit without spills from head size 32 up.
-// f32 takes what ptxas gives it.
-__host__ __device__ constexpr int dec1_min_blocks(int d, int gp) {
-    return VEC16 != 8 ? 1 : gp == 1 ? 5 : gp <= 4 ? 4 : d >= 32 ? 3 : 1;
-}
-
-// The cache block of a key and its position there: shifts for a power-of-two block size
-// (the usual 16), which spare every lane two integer divisions per key.
-template <bool POW2>
-struct BlockDiv {
-    int size, shift;
-    __device__ explicit BlockDiv(int bs) : size(bs), shift(__ffs(bs) - 1) {}
-    __device__ int block(int k) const { return POW2 ? k >> shift : k / size; }
-    __device__ int offset(int k) const { return POW2 ? k & (size - 1) : k % size; }
-};
-
-// Shared memory of a one-pass block: the warps' states for the merge, and q for groups of
-// 4 and 8. Declared once in the entry point, which instantiates the kernel twice (POW2).
-template <int D, int GP>
-struct Decode1Smem {
-    static constexpr bool Q_SHARED = GP >= 4;
-    float red[DEC_WARPS][GP][D];
-    float m[DEC_WARPS][GP];
-    float l[DEC_WARPS][GP];
-    float4 q[Q_SHARED ? GP : 1][D / 4];
-};
-
-template <int D, int GP, bool POW2>
-__device__ void paged_attention_decode1_impl(const DecodeArgs& a, Decode1Smem<D, GP>& sm) {
-    constexpr int THREADS = DEC_THREADS;
-    constexpr int TG = D / 8;               // lanes per key
-    constexpr int NG = THREADS / TG;        // key groups per block
-    constexpr int WARPS = DEC_WARPS;
-    constexpr int U = dec1_unroll(GP);      // keys per lane per step
-    constexpr int STEP = NG * U;            // keys per block per step
-    constexpr bool Q_SHARED = Decode1Smem<D, GP>::Q_SHARED;
-    auto& red = sm.red;
-    auto& s_m = sm.m;
-    auto& s_l = sm.l;
-    auto& q_s = sm.q;
-
-    const int kvh = blockIdx.x, part = blockIdx.y, i = blockIdx.z;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int grp = tid / TG, sub = tid % TG;
-    const int seq = a.decode_seqs[i];
-    const int token = a.query_start_loc[seq];
-    const int seq_len = a.seq_lens[seq];
-    const int partition = *a.partition;
-    const int g = a.num_q_heads / a.num_kv_heads;
-    const int k_begin = part * partition;
-    const int k_end = min(seq_len, k_begin + partition);
-    // A sequence that fits in one partition is written here whole; the combine passes
-    // over it (at large batches the plan takes partitions that hold most sequences).
-    const bool whole = gridDim.y == 1 || seq_len <= partition;
-    const long long q_row0 = (long long)token * a.num_q_heads + (long long)kvh * g;
-    const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
-
-    if (k_begin >= k_end) {  // this partition lies past the sequence's end
-        pdl_enter();
-        if (gridDim.y > 1 && tid < g) {
-            a.part_ml[(p_row0 + tid) * 2] = NEG_INF;
-            a.part_ml[(p_row0 + tid) * 2 + 1] = 0.f;
-        }
-        return;
-    }
-
-    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
-    const BlockDiv<POW2> bd(a.block_size);
-    // The cache block of each of this lane's keys in a step (key base + u·NG + grp: the
-    // groups of a step read consecutive keys), read one step ahead. The first step's are
-    // read before the wait, with the step's other inputs (common.cuh).
-    int blk[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int k = k_begin + u * NG + grp;
-        blk[u] = k < k_end ? table[bd.block(k)] : 0;
-    }
-    // q and the newest key come from the kernel before.
-    pdl_enter();
-    // This lane's 8 columns of each q row, scaled: in registers, or for the wider groups
-    // in shared memory, where their 32 or 64 floats a lane do not take the registers that
-    // keep loads in flight.
-    float q[Q_SHARED ? 1 : GP][8];
-    if constexpr (Q_SHARED) {
-        float* qs = &q_s[0][0].x;
-        for (int idx = tid; idx < GP * D; idx += THREADS) {
-            const int h = idx / D;
-            qs[idx] = h < g ? to_f32(a.q[q_row0 * D + idx]) * a.scale : 0.f;
-        }
-        __syncthreads();
-    } else {
-#pragma unroll
-        for (int h = 0; h < GP; ++h) {
-            if (h < g) {
-                load8(a.q + (q_row0 + h) * D + sub * 8, q[h]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) q[h][e] *= a.scale;
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) q[h][e] = 0.f;
-            }
-        }
-    }
-    const long long kv_row = (long long)a.num_kv_heads * D;
-    const long long lane_col = (long long)kvh * D + sub * 8;
-    const scalar_t* k_lane = a.key_cache + lane_col;
-    const scalar_t* v_lane = a.value_cache + lane_col;
-
-    float m[GP], l[GP], acc[GP][8];
-#pragma unroll
-    for (int h = 0; h < GP; ++h) {
-        m[h] = NEG_INF;
-        l[h] = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
-    }
-    // Every lane runs the same number of steps (shuffles need the whole warp); keys past
-    // the end score -inf against zero rows.
-    for (int base = k_begin; base < k_end; base += STEP) {
-        Row8 kr[U], vr[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int k = base + u * NG + grp;
-            if (k < k_end) {
-                const long long off = ((long long)blk[u] * bd.size + bd.offset(k)) * kv_row;
-                kr[u] = load_row8(k_lane + off);
-                vr[u] = load_row8(v_lane + off);
-            } else {
-                kr[u] = zero_row8();
-                vr[u] = zero_row8();
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int k = base + STEP + u * NG + grp;
-            blk[u] = k < k_end ? table[bd.block(k)] : 0;
-        }
-        float s[GP][U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const bool live = base + u * NG + grp < k_end;
-            float kf[8];
-            unpack_row8(kr[u], kf);
-#pragma unroll
-            for (int h = 0; h < GP; ++h) {
-                if (h >= g) break;
-                float dot = 0.f;
-                if constexpr (Q_SHARED) {
-                    const float4 x = q_s[h][2 * sub], y = q_s[h][2 * sub + 1];
-                    dot = x.x * kf[0] + x.y * kf[1] + x.z * kf[2] + x.w * kf[3] +
-                          y.x * kf[4] + y.y * kf[5] + y.z * kf[6] + y.w * kf[7];
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) dot += q[h][e] * kf[e];
-                }
-#pragma unroll
-                for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                s[h][u] = live ? dot : NEG_INF;
-            }
-        }
-        // Online softmax: rescale the state to the new max, then add the step's keys.
-#pragma unroll
-        for (int h = 0; h < GP; ++h) {
-            if (h >= g) break;
-            float mx = m[h];
-#pragma unroll
-            for (int u = 0; u < U; ++u) mx = fmaxf(mx, s[h][u]);
-            const float ref = mx == NEG_INF ? 0.f : mx;
-            const float c = dec_rescale(m[h], ref);
-            m[h] = mx;
-            l[h] *= c;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[h][e] *= c;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                s[h][u] = __expf(s[h][u] - ref);  // exp(-inf) = 0 for keys past the end
-                l[h] += s[h][u];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vf[8];
-            unpack_row8(vr[u], vf);
-#pragma unroll
-            for (int h = 0; h < GP; ++h) {
-                if (h >= g) break;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[h][e] += s[h][u] * vf[e];
-            }
-        }
-    }
-
-    // Merge the key groups of a warp (lanes with the same `sub`), then the warps.
-#pragma unroll
-    for (int h = 0; h < GP; ++h) {
-        if (h >= g) break;
-#pragma unroll
-        for (int o = TG; o < 32; o <<= 1) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[h], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[h], o);
-            const float mx = fmaxf(m[h], mo);
-            const float ca = dec_rescale(m[h], mx), cb = dec_rescale(mo, mx);
-            l[h] = l[h] * ca + lo * cb;
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                acc[h][e] = acc[h][e] * ca + __shfl_xor_sync(0xffffffffu, acc[h][e], o) * cb;
-            m[h] = mx;
-        }
-        if (lane < TG) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) red[warp][h][sub * 8 + e] = acc[h][e];
-        }
-        if (lane == 0) {
-            s_m[warp][h] = m[h];
-            s_l[warp][h] = l[h];
-        }
-    }
-    __syncthreads();
-    for (int idx = tid; idx < g * D; idx += THREADS) {
-        const int h = idx / D, d = idx - h * D;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, s_m[w][h]);
-        float o = 0.f, l_sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float c = dec_rescale(s_m[w][h], mx);
-            o += c * red[w][h][d];
-            l_sum += c * s_l[w][h];
-        }
-        if (whole) {
-            a.out[(q_row0 + h) * D + d] = from_f32(l_sum > 0.f ? o / l_sum : 0.f);
-        } else {
-            a.part_o[(p_row0 + h) * D + d] = o;
-            if (d == 0) {
-                a.part_ml[(p_row0 + h) * 2] = mx;
-                a.part_ml[(p_row0 + h) * 2 + 1] = l_sum;
-            }
-        }
-    }
-}
-
-// paged_attention_decode1_d{D}_g{GP}: 128 threads, dec1_unroll(GP) keys per lane. (A
-// 256-thread variant and one with twice the keys in flight were slower on the H100 at
-// every shape the bench tried: docs/BENCHMARKS.md.)
-#define DECODE1_KERNELS(D, GP)                                                      \
-    extern "C" __global__ void __launch_bounds__(DEC_THREADS, dec1_min_blocks(D, GP)) \
-        paged_attention_decode1_d##D##_g##GP(DecodeArgs a) {                         \
-        __shared__ Decode1Smem<D, GP> sm;                                            \
-        if (a.block_size & (a.block_size - 1))                                       \
-            paged_attention_decode1_impl<D, GP, false>(a, sm);                       \
-        else                                                                         \
-            paged_attention_decode1_impl<D, GP, true>(a, sm);                        \
-    }
-#define DECODE1_GROUPS(D) \
-    DECODE1_KERNELS(D, 1) DECODE1_KERNELS(D, 2) DECODE1_KERNELS(D, 4) DECODE1_KERNELS(D, 8)
-DECODE1_GROUPS(16)
-DECODE1_GROUPS(32)
-DECODE1_GROUPS(64)
-DECODE1_GROUPS(128)
 
 #define COMBINE_CHUNK 16  // partials of a row loaded together
 

@@ -219,6 +219,33 @@ fn cuda_graphs_and_eager_give_identical_greedy_output() {
     }
 }
 
+/// Every graph's buffers come from the capture arena, also where a smaller bucket's split
+/// decode grid takes more attention partials than the largest bucket's grid of whole
+/// sequences (Qwen3-0.6B at `--max-num-seqs` 96: bucket 64's 8 partitions of 64 rows
+/// against bucket 96's 4 of 96).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn every_graph_buffer_fits_the_capture_arena() {
+    if !gpu_present() {
+        return;
+    }
+    for max_num_seqs in [8, 96, 256] {
+        let shape = RunnerShape {
+            max_num_seqs,
+            num_blocks: 2 * max_num_seqs,
+            ..RunnerShape::default()
+        };
+        let r = runner_for("qwen3-0.6b", None, false, true, shape);
+        assert!(r.num_cuda_graphs() > 0);
+        assert_eq!(
+            r.cuda_graph_allocation_nodes(),
+            0,
+            "--max-num-seqs {max_num_seqs}: buffers allocated inside a capture"
+        );
+        println!("ARENA --max-num-seqs {max_num_seqs}: every graph buffer in the arena");
+    }
+}
+
 /// The mean of `times`, and `times` sorted (for its percentiles).
 fn mean_and_sorted(mut times: Vec<f64>) -> (f64, Vec<f64>) {
     let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;

@@ -335,7 +335,7 @@ tp_throughput() {
     for tp in 1 2; do
         echo "BENCH throughput nanovllm-256 qwen3-0.6b TP=$tp (bench throughput, in-process):"
         timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench throughput --model "$m" --device cuda \
-            -t "$tp" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
+            -t "$tp" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos ${ENGINE_ARGS:-} \
             2>"$LOG/tp-throughput-$tp.err" | sed 's/^/BENCH   /'
         echo "BENCH   (rc=${PIPESTATUS[0]})"
     done

@@ -133,12 +133,14 @@ pub enum BuildSource {
 }
 
 /// NVRTC options of one build: architecture, dtype, and precise math (the CPU reference
-/// is the judge, so no fast-math).
+/// is the judge, so no fast-math). The optimiser runs on 8 threads: a fixed count, so
+/// that every machine builds the same CUBIN (docs/CUDA_NOTES.md).
 pub fn compile_options(arch: &str, dtype: DType) -> Vec<String> {
     vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
         "--fmad=true".to_string(),
+        "--split-compile=8".to_string(),
         dtype.define().to_string(),
     ]
 }

@@ -15,8 +15,9 @@
 // group of 2 at 1.2 TB/s; this one reaches 2.6 TB/s (docs/BENCHMARKS.md).
 //
 // (A one-pass kernel with an online softmax, K and V of a key loaded together, ran batches
-// of 1 to 8 until it lost to this one at every batch and length the bench measured
-// but one sequence in 32-key partitions: docs/BENCHMARKS.md, "Small decode batches".)
+// of 1 to 8 until this one beat it at every batch and length the bench measured, but for
+// one sequence in 32-key partitions, by 0.1 us: docs/BENCHMARKS.md, "Small decode
+// batches".)
 
 #define DEC_THREADS 128
 #define DEC_WARPS (DEC_THREADS / 32)

@@ -66,7 +66,7 @@ impl AttentionKernels {
     };
 
     /// The flash kernels; tensor cores only for 16-bit dtypes.
-    pub fn flash(sixteen_bit: bool) -> Self {
+    pub const fn flash(sixteen_bit: bool) -> Self {
         Self {
             decode: true,
             tensor_core_prefill: sixteen_bit,
@@ -391,14 +391,8 @@ fn cuda_core_splits(blocks: usize, max_keys: usize, num_sms: usize) -> (usize, u
 mod tests {
     use super::*;
 
-    const FLASH: AttentionKernels = AttentionKernels {
-        decode: true,
-        tensor_core_prefill: true,
-    };
-    const FLASH_F32: AttentionKernels = AttentionKernels {
-        decode: true,
-        tensor_core_prefill: false,
-    };
+    const FLASH: AttentionKernels = AttentionKernels::flash(true);
+    const FLASH_F32: AttentionKernels = AttentionKernels::flash(false);
 
     #[test]
     fn tiles_cover_every_prefill_token_once_and_decodes_go_to_the_decode_kernel() {

@@ -72,12 +72,12 @@ unsafe impl ByValue for CustomAllReduceNormArgs {}
 
 /// The fused all-reduce + residual add + RMSNorm takes at most this many rows: a block a
 /// row (CAR_BLOCKS blocks); past it, the plain all-reduce and the norm's own kernel.
-pub const CUSTOM_ALL_REDUCE_NORM_MAX_ROWS: usize = BLOCKS as usize;
+const CUSTOM_ALL_REDUCE_NORM_MAX_ROWS: usize = BLOCKS as usize;
 
 /// The low-latency lines (custom_all_reduce.cu) hold messages up to this size: the fused
 /// all-reduce + norm takes them (32 rows of a 4096-wide model in bf16), the plain
 /// all-reduce up to `LL_PLAIN_MAX_BYTES`, where the staged buffers start to win.
-pub const CUSTOM_ALL_REDUCE_LL_MAX_BYTES: usize = 256 << 10;
+const CUSTOM_ALL_REDUCE_LL_MAX_BYTES: usize = 256 << 10;
 const LL_PLAIN_MAX_BYTES: usize = 128 << 10;
 
 /// A host word the device reads (pinned, mapped): set it and the kernel's barrier stops

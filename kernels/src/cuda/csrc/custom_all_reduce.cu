@@ -125,6 +125,14 @@ __device__ __forceinline__ void car_end(const CarGroup& g, unsigned int epoch) {
     if (threadIdx.x == 0) g.epochs[blockIdx.x] = epoch;
 }
 
+// Rank r's chunk into the sum, in f32; ranks come in order, rank 0 first.
+__device__ __forceinline__ void add_rank(float (&acc)[VEC16], uint4 chunk, int r) {
+    float v[VEC16];
+    unpack16(chunk, v);
+#pragma unroll
+    for (int e = 0; e < VEC16; ++e) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
+}
+
 // ---- Low-latency lines ----
 
 // Where rank `dst` receives rank `src`'s line pair of chunk i in this call.
@@ -165,10 +173,7 @@ __device__ __forceinline__ void ll_sum(const CarGroup& g, unsigned int epoch, lo
         const uint2 lo = ll_wait(g, p, epoch), hi = ll_wait(g, p + 1, epoch);
         store_volatile(p, cleared);
         store_volatile(p + 1, cleared);
-        float v[VEC16];
-        unpack16(make_uint4(lo.x, lo.y, hi.x, hi.y), v);
-#pragma unroll
-        for (int e = 0; e < VEC16; ++e) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
+        add_rank(acc, make_uint4(lo.x, lo.y, hi.x, hi.y), r);
     }
 }
 
@@ -206,12 +211,8 @@ __device__ __forceinline__ void staged_barrier(const CarGroup& g, unsigned int e
 // Chunk i summed over the ranks' staged slots in rank order, in f32.
 __device__ __forceinline__ void staged_sum(const CarGroup& g, unsigned int epoch, long long i,
                                            float (&acc)[VEC16]) {
-    for (int r = 0; r < g.world_size; ++r) {
-        float v[VEC16];
-        unpack16(load_volatile(staged_slot(g, r, epoch) + i), v);
-#pragma unroll
-        for (int e = 0; e < VEC16; ++e) acc[e] = r == 0 ? v[e] : acc[e] + v[e];
-    }
+    for (int r = 0; r < g.world_size; ++r)
+        add_rank(acc, load_volatile(staged_slot(g, r, epoch) + i), r);
 }
 
 // ---- The kernels ----

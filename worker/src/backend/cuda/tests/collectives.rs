@@ -155,6 +155,16 @@ fn custom_all_reduce_setup_failure_leaves_every_rank_on_nccl() {
     }
 }
 
+/// Elements of `a` and `b` whose bits differ (a length difference counts too).
+fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+    let differ = a
+        .iter()
+        .zip(b)
+        .filter(|(p, q)| p.to_bits() != q.to_bits())
+        .count();
+    differ + a.len().abs_diff(b.len())
+}
+
 /// Random values of one rank and call, as bf16 holds them (poison: nothing here is zero
 /// or exact in a sum).
 fn random_bf16(rank: usize, call: usize, n: usize) -> Vec<f32> {
@@ -209,9 +219,7 @@ fn custom_all_reduce_matches_the_host() {
             })
             .collect();
         for (rank, got) in results.iter().enumerate() {
-            let bad = (0..want.len())
-                .filter(|&i| got[call][i].to_bits() != want[i].to_bits())
-                .count();
+            let bad = bits_differ(&got[call], &want);
             assert_eq!(
                 bad, 0,
                 "rank {rank}, call {call} ({t} tokens): {bad} elements differ from the host"
@@ -312,28 +320,22 @@ fn custom_all_reduce_norm_equals_the_two_ops() {
     for (call, &(rows, hidden)) in shapes.iter().enumerate() {
         for (rank, r) in results.iter().enumerate() {
             let [x1, r1, x2, r2] = &r[call];
-            let differ = |a: &[f32], b: &[f32]| {
-                a.iter()
-                    .zip(b)
-                    .filter(|(p, q)| p.to_bits() != q.to_bits())
-                    .count()
-            };
             assert!(
                 x1.iter().all(|v| v.is_finite()),
                 "rank {rank}, {rows} x {hidden}: non-finite output"
             );
             assert_eq!(
-                differ(x1, x2),
+                bits_differ(x1, x2),
                 0,
                 "rank {rank}, {rows} x {hidden}: normed x differs"
             );
             assert_eq!(
-                differ(r1, r2),
+                bits_differ(r1, r2),
                 0,
                 "rank {rank}, {rows} x {hidden}: residual differs"
             );
             assert_eq!(
-                differ(x1, &results[0][call][0]),
+                bits_differ(x1, &results[0][call][0]),
                 0,
                 "rank {rank} differs from rank 0"
             );

@@ -6,6 +6,7 @@
 #                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
 #                                     gemm-bench (decode GEMMs at batch 1-32: thin_gemm against cuBLAS and gemv)
+#                                     tp-gemv (one rank's batch-1 GEMMs at TP=2 and 4, one GPU)
 #                                     decode-late (decode attention at small batches of long
 #                                     sequences: each grid's plan against fixed partitions)
 #                                     long-context (TPOT at those batches; BASE_BIN alternates)
@@ -17,9 +18,11 @@
 #                                     async-check (--async-scheduling vs serial through serve)
 #                                     ENGINE_ARGS (e.g. --async-scheduling) go to the bench stages
 #                                     tensor parallelism (2+ GPUs): tp-nccl tp-serve tp-latency
-#                                     tp-throughput tp-70b tp-parity tp-parity32
+#                                     tp-throughput tp-70b tp-parity tp-parity32, at TP sizes
+#                                     $TP_SIZES (default 1 2 4 8 up to the GPU count; the 70B
+#                                     and NCCL-only runs take the largest)
 #                                     tp-parity-0.6b (the Qwen3-0.6B shape, Qwen3-8B's tokenizer;
-#                                     TP=2 also through NCCL alone, against the custom all-reduce)
+#                                     the largest TP also through NCCL alone, against the custom all-reduce)
 #                                     tp-parity32-0.6b (the same in f32: every row token for token)
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
 #                                     reliability: soak (scripts/soak.sh on the Qwen3-0.6B shape,
@@ -54,6 +57,11 @@ export RUST_LOG=${RUST_LOG:-info}
 # NVLink multicast stays off on shared multi-GPU machines; the workers inherit it.
 export NCCL_NVLS_ENABLE=0
 STAGES=${*:-info kernels kernel-bench model serve parity bench}
+# The tensor-parallel sizes the tp-* stages run: 1, 2, 4 and 8 up to the GPUs there are.
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+TP_SIZES=${TP_SIZES:-$(for t in 1 2 4 8; do [ "$t" -le "${GPUS:-1}" ] && echo -n "$t "; done)}
+TP_MAX=$(echo "$TP_SIZES" | awk '{print $NF}')
+TP_LIST=$(echo "$TP_SIZES" | tr ' ' '\n' | awk '$1 > 1' | paste -sd, -)
 SUMMARY=()
 BIN=${BIN:-$G/vllm-rs}
 MODELS=/tmp/vllm-rs-models
@@ -313,11 +321,11 @@ tp_serve() {
     echo "processes left: $(pgrep -c -f "$BIN" || true)"
 }
 
-# Batch-1 decode of the Qwen3-8B shape at TP=1 and TP=2 (dummy weights drawn on the GPU).
-# TP=2 twice: with the custom all-reduce (the default) and with NCCL alone.
+# Batch-1 decode of the Qwen3-8B shape at each of $TP_SIZES (dummy weights drawn on the
+# GPU); the largest again with NCCL alone instead of the custom all-reduce.
 tp_latency() {
     local run tp extra
-    for run in "1" "2" "2 --disable-custom-all-reduce"; do
+    for run in $TP_SIZES "$TP_MAX --disable-custom-all-reduce"; do
         read -r tp extra <<<"$run"
         echo "BENCH latency qwen3-8b TP=$tp ${extra:-} (128 prompt, 256 output, batch 1):"
         # shellcheck disable=SC2086
@@ -332,7 +340,7 @@ tp_latency() {
 tp_throughput() {
     local m=$MODELS/qwen3-0.6b tp
     make_model qwen3-0.6b "$m"
-    for tp in 1 2; do
+    for tp in $TP_SIZES; do
         echo "BENCH throughput nanovllm-256 qwen3-0.6b TP=$tp (bench throughput, in-process):"
         timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench throughput --model "$m" --device cuda \
             -t "$tp" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos ${ENGINE_ARGS:-} \
@@ -341,17 +349,17 @@ tp_throughput() {
     done
 }
 
-# The Llama-3.1-70B shape at TP=2 with dummy weights: start-up, one API answer, TPOT.
+# The Llama-3.1-70B shape at TP=$TP_MAX with dummy weights: start-up, one API answer, TPOT.
 tp_70b() {
     local m=$G/models/Llama-3.1-70B port=8170 t0 pid
     t0=$(date +%s.%N)
-    "$BIN" serve --model "$m" --load-format dummy --device cuda -t 2 --port $port \
+    "$BIN" serve --model "$m" --load-format dummy --device cuda -t "$TP_MAX" --port $port \
         --max-model-len 8192 >"$LOG/serve-70b.log" 2>&1 &
     pid=$!
     if wait_health $port $pid 1800; then
-        echo "BENCH 70b TP=2 serve -> /health 200: $(awk "BEGIN{print $(date +%s.%N) - $t0}")s"
+        echo "BENCH 70b TP=$TP_MAX serve -> /health 200: $(awk "BEGIN{print $(date +%s.%N) - $t0}")s"
     else
-        echo "BENCH 70b TP=2 serve did not answer /health:"
+        echo "BENCH 70b TP=$TP_MAX serve did not answer /health:"
         tail -n 3 "$LOG/serve-70b.log" | sed 's/^/BENCH   /'
     fi
     grep -a -E "loaded|KV cache|ERROR" "$LOG/serve-70b.log" | head -6
@@ -359,9 +367,9 @@ tp_70b() {
         -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}' | head -c 300)"
     kill $pid 2>/dev/null
     wait $pid 2>/dev/null
-    echo "BENCH latency llama-3.1-70b TP=2 (128 prompt, 128 output, batch 1):"
+    echo "BENCH latency llama-3.1-70b TP=$TP_MAX (128 prompt, 128 output, batch 1):"
     timeout -k 5 "${BENCH_TIMEOUT:-200}" "$BIN" bench latency --model "$m" --load-format dummy \
-        --device cuda -t 2 --input-len 128 --output-len 128 --batch-size 1 \
+        --device cuda -t "$TP_MAX" --input-len 128 --output-len 128 --batch-size 1 \
         --num-iters-warmup 1 --num-iters 3 --max-model-len 8192 ${ENGINE_ARGS:-} \
         2>"$LOG/latency-70b.err" | sed 's/^/BENCH   /'
     echo "BENCH   (rc=${PIPESTATUS[0]})"
@@ -438,7 +446,7 @@ long_context() {
 }
 
 ENGINE_ARGS=${ENGINE_ARGS:-}
-export G LOG BIN MODELS ENGINE_ARGS
+export G LOG BIN MODELS ENGINE_ARGS TP_SIZES TP_MAX
 export -f long_context make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b
 
@@ -458,6 +466,7 @@ for s in $STAGES; do
     prefill-bench) stage prefill-bench prefill_bench ;;
     sampling-bench) stage sampling-bench sampling_bench ;;
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
+    tp-gemv) stage tp-gemv "$G/cuda_bench" tp_rank_gemvs --ignored --nocapture ;;
     gemm-bench) stage gemm-bench "$G/cuda_bench" decode_gemms --ignored --nocapture ;;
     decode-late) stage decode-late "$G/cuda_bench" decode_attention_late --ignored --nocapture ;;
     long-context) stage long-context long_context ;;
@@ -474,10 +483,10 @@ for s in $STAGES; do
     tp-latency) stage tp-latency tp_latency ;;
     tp-throughput) stage tp-throughput tp_throughput ;;
     tp-70b) stage tp-70b tp_70b ;;
-    tp-parity) stage tp-parity python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
-    tp-parity-0.6b) stage tp-parity-0.6b python3 scripts/tp_parity.py --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06 --also-with=--disable-custom-all-reduce ;;
-    tp-parity32-0.6b) stage tp-parity32-0.6b python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06-32 --also-with=--disable-custom-all-reduce ;;
-    tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
+    tp-parity) stage tp-parity python3 scripts/tp_parity.py --tp "${TP_LIST:-2}" --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
+    tp-parity-0.6b) stage tp-parity-0.6b python3 scripts/tp_parity.py --tp "${TP_LIST:-2}" --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06 --also-with=--disable-custom-all-reduce ;;
+    tp-parity32-0.6b) stage tp-parity32-0.6b python3 scripts/tp_parity.py --tp "${TP_LIST:-2}" --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06-32 --also-with=--disable-custom-all-reduce ;;
+    tp-parity32) stage tp-parity32 python3 scripts/tp_parity.py --tp "${TP_LIST:-2}" --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp32 ;;
     soak)
         make_model qwen3-0.6b "$MODELS/qwen3-0.6b"
         stage soak bash scripts/soak.sh --bin "$BIN" --device cuda --model "$MODELS/qwen3-0.6b" \

@@ -686,11 +686,60 @@ fn weight_copies(dev: &CudaDevice, elems: usize) -> Vec<CudaSlice<u8>> {
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
 fn thin_gemms() {
+    gemv_table(&MODEL_GEMMS, &[1, 2, 4, 8]);
+}
+
+/// One rank's decode GEMMs under tensor parallelism, at batch 1: Qwen3-8B at TP=2 and 4,
+/// the Llama-3.1-70B shape at TP=4 (column shards of qkv and gate_up, row shards of o
+/// and down, the vocabulary-parallel LM head), as `thin_gemms` times them.
+///
+///   cuda_bench tp_rank_gemvs --ignored --nocapture    (scripts/gpu_round.sh tp-gemv)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh tp-gemv runs it"]
+fn tp_rank_gemvs() {
+    const TP_GEMMS: [(&str, [GemmShape; 5]); 3] = [
+        (
+            "8B TP=2",
+            [
+                ("qkv_proj", 4096, 3072),
+                ("o_proj", 2048, 4096),
+                ("gate_up_proj", 4096, 12288),
+                ("down_proj", 6144, 4096),
+                ("lm_head", 4096, VOCAB / 2),
+            ],
+        ),
+        (
+            "8B TP=4",
+            [
+                ("qkv_proj", 4096, 1536),
+                ("o_proj", 1024, 4096),
+                ("gate_up_proj", 4096, 6144),
+                ("down_proj", 3072, 4096),
+                ("lm_head", 4096, VOCAB / 4),
+            ],
+        ),
+        (
+            "70B TP=4",
+            [
+                ("qkv_proj", 8192, 2560),
+                ("o_proj", 2048, 8192),
+                ("gate_up_proj", 8192, 14336),
+                ("down_proj", 7168, 8192),
+                ("lm_head", 8192, 128256 / 4),
+            ],
+        ),
+    ];
+    gemv_table(&TP_GEMMS, &[1]);
+}
+
+/// cuBLAS against `gemv` (both rows-per-warp variants and the one it picks) for each
+/// model's shapes at each batch `ms`, and the layer's sum.
+fn gemv_table(models: &[(&str, [GemmShape; 5])], ms: &[usize]) {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
-    for (model, shapes) in MODEL_GEMMS {
-        for m in [1, 2, 4, 8] {
+    for &(model, shapes) in models {
+        for &m in ms {
             let (mut layer_blas, mut layer_gemv, mut layer_bytes) = (0.0, 0.0, 0.0);
             for (name, k, n) in shapes {
                 let bytes = ((n * k + m * k + m * n) * 2) as f64;

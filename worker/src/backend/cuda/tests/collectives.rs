@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::backend::cuda::CudaTensor;
-use crate::communicator::nccl::CustomAllReduceMode;
+use crate::communicator::nccl::{CustomAllReduceMode, CUSTOM_ALL_REDUCE_MAX_BYTES};
 
 /// Runs `f(rank, backend)` on one thread per GPU, the backends joined in one group.
 fn on_gpus<T: Send>(
@@ -165,6 +165,25 @@ fn bits_differ(a: &[f32], b: &[f32]) -> usize {
     differ + a.len().abs_diff(b.len())
 }
 
+/// Elements of NCCL's all-reduce (`got`) off the exact sum of `inputs` by more than its
+/// bf16 roundings allow. NCCL adds in bf16 in its ring's order, rounding after every add:
+/// at two ranks that is the one rounding of the custom kernel, bit for bit; at more, each
+/// of the n - 1 roundings errs by at most half a bf16 step (2^-8 of the value: 8 bits of
+/// precision) of a partial sum, and no partial sum exceeds the sum of the magnitudes.
+fn nccl_sum_errors(got: &[f32], inputs: &[Vec<f32>]) -> usize {
+    let (mut worst, mut bad) = (0.0f64, 0);
+    for (i, &g) in got.iter().enumerate() {
+        let exact: f64 = inputs.iter().map(|v| v[i] as f64).sum();
+        let magnitude: f64 = inputs.iter().map(|v| v[i].abs() as f64).sum();
+        // In half bf16 steps of the magnitude; 1% over n - 1 for the errors' errors.
+        let steps = (g as f64 - exact).abs() / magnitude * 256.0;
+        worst = worst.max(steps);
+        bad += usize::from(steps > (inputs.len() - 1) as f64 * 1.01);
+    }
+    println!("NCCL sum: worst error {worst:.2} half bf16 steps of the magnitudes");
+    bad
+}
+
 /// Random values of one rank and call, as bf16 holds them (poison: nothing here is zero
 /// or exact in a sum).
 fn random_bf16(rank: usize, call: usize, n: usize) -> Vec<f32> {
@@ -190,7 +209,8 @@ fn custom_all_reduce_matches_the_host() {
     let hidden = 4096;
     // Sizes change from call to call, so that a block's chunks move between calls while
     // the slots alternate, and calls switch between the low-latency lines (up to 16
-    // tokens, 128 KiB) and the staged buffers; the last size is past the kernel (NCCL).
+    // tokens, 128 KiB) and the staged buffers; the last size is past the kernel (NCCL:
+    // bit for bit only at two ranks, where it too rounds once).
     let tokens = [1usize, 256, 3, 16, 17, 8, 256, 1, 64, 1, 2, 513];
     let results = on_gpus(n, CustomAllReduceMode::Auto, |rank, b| {
         let comm = b.communicator().expect("joined");
@@ -210,8 +230,8 @@ fn custom_all_reduce_matches_the_host() {
             .collect::<Vec<_>>()
     });
     for (call, &t) in tokens.iter().enumerate() {
-        // The kernel's sum: f32 in rank order, rounded once.
         let inputs: Vec<Vec<f32>> = (0..n).map(|r| random_bf16(r, call, t * hidden)).collect();
+        // The kernel's sum: f32 in rank order, rounded once.
         let want: Vec<f32> = (0..t * hidden)
             .map(|i| {
                 let s: f32 = inputs.iter().map(|v| v[i]).sum();
@@ -219,16 +239,26 @@ fn custom_all_reduce_matches_the_host() {
             })
             .collect();
         for (rank, got) in results.iter().enumerate() {
-            let bad = bits_differ(&got[call], &want);
+            let bad = if t * hidden * 2 <= CUSTOM_ALL_REDUCE_MAX_BYTES || n == 2 {
+                bits_differ(&got[call], &want)
+            } else {
+                nccl_sum_errors(&got[call], &inputs)
+            };
             assert_eq!(
                 bad, 0,
                 "rank {rank}, call {call} ({t} tokens): {bad} elements differ from the host"
             );
+            assert_eq!(
+                bits_differ(&got[call], &results[0][call]),
+                0,
+                "ranks differ"
+            );
         }
     }
     println!(
-        "CUSTOM-ALLREDUCE-CHECK {n} GPUs: {} calls of 1-513 tokens equal the host bit for bit",
-        tokens.len()
+        "CUSTOM-ALLREDUCE-CHECK {n} GPUs: {} calls of 1-256 tokens equal the host bit for bit; \
+         513 tokens (NCCL) within its bf16 roundings",
+        tokens.len() - 1
     );
 }
 

@@ -7,6 +7,8 @@
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
 #                                     gemm-bench (decode GEMMs at batch 1-32: thin_gemm against cuBLAS and gemv)
 #                                     tp-gemv (one rank's batch-1 GEMMs at TP=2 and 4, one GPU)
+#                                     tp-rank-latency (TPOT at TP=1 of one TP=$TP_MAX rank's shapes:
+#                                     a rank's step without collectives; TP_SIZES="1 4" on one GPU)
 #                                     decode-late (decode attention at small batches of long
 #                                     sequences: each grid's plan against fixed partitions)
 #                                     long-context (TPOT at those batches; BASE_BIN alternates)
@@ -375,6 +377,32 @@ tp_70b() {
     echo "BENCH   (rc=${PIPESTATUS[0]})"
 }
 
+# One TP=$TP_MAX rank's own step, without collectives: bench latency at TP=1 of models of a
+# rank's shapes (the heads and MLP over TP_MAX, the whole vocabulary), Qwen3-8B and the
+# Llama-3.1-70B shape. TPOT at TP_MAX less this is what the collectives cost.
+tp_rank_latency() {
+    local name src dst
+    for name in Qwen3-8B Llama-3.1-70B; do
+        src=$G/models/$name dst=$MODELS/$name-rank$TP_MAX
+        mkdir -p "$dst" && find "$src" -maxdepth 1 -type f ! -name config.json -exec cp {} "$dst"/ \;
+        python3 - "$src/config.json" "$dst/config.json" "$TP_MAX" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))
+n = int(sys.argv[3])
+c["head_dim"] = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    c[k] = max(1, c[k] // n)
+json.dump(c, open(sys.argv[2], "w"))
+PY
+        echo "BENCH latency $name, one TP=$TP_MAX rank's shapes at TP=1 (128 prompt, 128 output, batch 1):"
+        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench latency --model "$dst" --load-format dummy \
+            --device cuda -t 1 --input-len 128 --output-len 128 --batch-size 1 --num-iters-warmup 1 \
+            --num-iters 3 --max-model-len 8192 ${ENGINE_ARGS:-} 2>"$LOG/tp-rank-$name.err" |
+            sed 's/^/BENCH   /'
+        echo "BENCH   (rc=${PIPESTATUS[0]})"
+    done
+}
+
 # Decode-step time at batch 256 (prompts of 100-1,023 tokens) in the runner, then ncu's
 # per-kernel GPU time over 4 of those steps (graph nodes measured alone, caches and clocks
 # as they run; the test brackets its decode steps with cuProfilerStart/Stop).
@@ -448,7 +476,7 @@ long_context() {
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS TP_SIZES TP_MAX
 export -f long_context make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
-    tp_serve tp_latency tp_throughput tp_70b
+    tp_serve tp_latency tp_throughput tp_70b tp_rank_latency
 
 for s in $STAGES; do
     case $s in
@@ -483,6 +511,7 @@ for s in $STAGES; do
     tp-latency) stage tp-latency tp_latency ;;
     tp-throughput) stage tp-throughput tp_throughput ;;
     tp-70b) stage tp-70b tp_70b ;;
+    tp-rank-latency) stage tp-rank-latency tp_rank_latency ;;
     tp-parity) stage tp-parity python3 scripts/tp_parity.py --tp "${TP_LIST:-2}" --bin "$BIN" --config "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp ;;
     tp-parity-0.6b) stage tp-parity-0.6b python3 scripts/tp_parity.py --tp "${TP_LIST:-2}" --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06 --also-with=--disable-custom-all-reduce ;;
     tp-parity32-0.6b) stage tp-parity32-0.6b python3 scripts/tp_parity.py --tp "${TP_LIST:-2}" --dtype float32 --bin "$BIN" --config "$G/models/Qwen3-0.6B" --tokenizer "$G/models/Qwen3-8B" --work /dev/shm/vllm-rs-tp06-32 --also-with=--disable-custom-all-reduce ;;

@@ -14,7 +14,8 @@
 #                                     long-context (TPOT at those batches; BASE_BIN alternates)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
-#                                     batch-bench (decode steps at batch 256, then ncu per kernel)
+#                                     batch-bench (decode steps at batch 256, then ncu per kernel;
+#                                     VLLM_BENCH_MODEL=DIR and VLLM_BENCH_BATCH=N: another model and batch)
 #                                     prefill-bench (a prefill step of ~7,900 tokens, then ncu per kernel)
 #                                     sampling-bench (the sampler at batch 256, then ncu per case)
 #                                     async-check (--async-scheduling vs serial through serve)

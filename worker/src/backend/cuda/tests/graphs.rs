@@ -51,9 +51,21 @@ fn runner_for(
     pdl: bool,
     shape: RunnerShape,
 ) -> crate::model_runner::ModelRunner<CudaBackend> {
+    let model = (model_dir(preset), crate::config::LoadFormat::Auto);
+    runner_at(model, dtype, enforce_eager, pdl, shape)
+}
+
+/// `runner_for` the model folder given, its weights read as `load_format` says.
+fn runner_at(
+    (model_dir, load_format): (std::path::PathBuf, crate::config::LoadFormat),
+    dtype: Option<&str>,
+    enforce_eager: bool,
+    pdl: bool,
+    shape: RunnerShape,
+) -> crate::model_runner::ModelRunner<CudaBackend> {
     use crate::model_runner::{ModelRunner, WorkerConfig};
     let cfg = WorkerConfig {
-        model_dir: model_dir(preset),
+        model_dir,
         rank: 0,
         world_size: 1,
         device: "cuda".into(),
@@ -66,7 +78,7 @@ fn runner_for(
         gpu_memory_utilization: 0.9,
         num_gpu_blocks_override: Some(shape.num_blocks as u32),
         seed: 0,
-        load_format: Default::default(),
+        load_format,
         attention_backend: Default::default(),
         execute_model_timeout_s: 300.0,
         enforce_eager,
@@ -289,7 +301,8 @@ fn decode_latency_bench() {
 /// sequences (default 256) of the Qwen3-0.6B shape with prompts of 100 to 1,023 tokens
 /// (nanovllm-256's range), then VLLM_BENCH_STEPS decode steps (default 32). Run under
 /// `ncu --profile-from-start off` it profiles the decode steps only (the `batch-bench`
-/// stage of scripts/gpu_round.sh).
+/// stage of scripts/gpu_round.sh). VLLM_BENCH_MODEL names another model folder (its
+/// config.json; random weights), e.g. one of `tp-rank-latency`'s rank shapes.
 #[test]
 #[ignore]
 fn decode_batch_bench() {
@@ -319,17 +332,27 @@ fn decode_batch_bench() {
         max_model_len: per_req * 16,
         num_blocks: per_req * batch,
     };
-    let mut r = runner_for("qwen3-0.6b", None, false, true, shape);
+    let (name, model) = match std::env::var_os("VLLM_BENCH_MODEL") {
+        Some(dir) => (
+            dir.to_string_lossy().into_owned(),
+            (dir.into(), crate::config::LoadFormat::Dummy),
+        ),
+        None => (
+            "qwen3-0.6b".to_string(),
+            (model_dir("qwen3-0.6b"), crate::config::LoadFormat::Auto),
+        ),
+    };
+    let mut r = runner_at(model, None, false, true, shape);
     let (_, prefill_ms, times) = greedy_decode_in(&mut r, &prompts, steps, per_req);
     let (mean, times) = mean_and_sorted(times);
     let tokens = prompts.iter().map(Vec::len).sum::<usize>();
     let keys = tokens / batch;
     println!(
-        "BENCH prefill step qwen3-0.6b, {tokens} tokens of {batch} prompts (eager, the \
+        "BENCH prefill step {name}, {tokens} tokens of {batch} prompts (eager, the \
          shapes' first run): {prefill_ms:.3} ms"
     );
     println!(
-        "BENCH decode step qwen3-0.6b batch {batch} (mean prompt {keys}, graphs): mean {mean:.3} \
+        "BENCH decode step {name} batch {batch} (mean prompt {keys}, graphs): mean {mean:.3} \
          ms/step, p50 {:.3} ({steps} steps)",
         times[times.len() / 2]
     );

@@ -4,7 +4,8 @@ at TP=1 and at each size of --tp (2, or 2,4: `vllm-rs serve`, the real processes
 Hugging Face transformers.
 
 transformers builds the model of --config with random seeded weights (scripts/hf_parity.py's
-recipe: logits of std ~3) and saves them; then, for 16 random prompts of 8-40 tokens:
+recipe: logits of std ~3) and saves them; then, for 16 (--num-prompts) random prompts of
+8-40 tokens:
 - the first token's top-5 logprobs (the last prefill position): each TP against TP=1 and
   against transformers' log-softmax, max |diff|, beside transformers' eager against sdpa;
 - greedy continuations of 64 tokens: identical for how many prompts (each TP vs TP=1, and

@@ -1,0 +1,194 @@
+//! Decode attention at a serving batch's shapes: the kernels and their plans, and the
+//! partition choices of small batches of long sequences.
+
+use super::*;
+
+pub(super) fn attention(dev: &CudaDevice, ops: &CudaOps) {
+    let blocks_per_seq = (CONTEXT + 1).div_ceil(BS);
+    let num_blocks = SEQS * blocks_per_seq;
+    // Blocks of a sequence spread over the cache, as after many allocations.
+    let block_tables: Vec<i32> = (0..SEQS * blocks_per_seq)
+        .map(|i| ((i * 7919) % num_blocks) as i32)
+        .collect();
+    let kv = num_blocks * BS * HKV * D;
+    let key_cache = random(dev, kv, 1);
+    let value_cache = random(dev, kv, 2);
+    let q = random(dev, SEQS * HQ * D, 3);
+    let seq_lens = vec![(CONTEXT + 1) as i32; SEQS];
+    let qsl: Vec<i32> = (0..=SEQS as i32).collect();
+    let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
+    let (bt, sl, ql) = (ints(&block_tables), ints(&seq_lens), ints(&qsl));
+    let bytes = (SEQS * (CONTEXT + 1) * HKV * D * 2 * 2) as f64;
+    for (name, kernels) in [
+        ("cuda-core", AttentionKernels::CUDA_CORE),
+        ("flash", AttentionKernels::flash(true)),
+    ] {
+        let plan = AttentionPlan::new(&qsl, &seq_lens, HQ, HKV, ops.num_sms, kernels).unwrap();
+        let (ts, tt, ds, dp) = (
+            ints(&plan.tile_seq),
+            ints(&plan.tile_token),
+            ints(&plan.decode_seqs),
+            ints(&[plan.decode_partition as i32]),
+        );
+        let meta = AttentionMeta {
+            block_tables: &bt,
+            max_blocks_per_seq: blocks_per_seq,
+            seq_lens: &sl,
+            query_start_loc: &ql,
+            tile_seq: &ts,
+            tile_token: &tt,
+            decode_seqs: &ds,
+            decode_partition: &dp,
+            plan: &plan,
+        };
+        let dims = AttentionDims {
+            num_tokens: SEQS,
+            num_q_heads: HQ,
+            num_kv_heads: HKV,
+            head_dim: D,
+            block_size: BS,
+        };
+        let mut out = ops.alloc(SEQS * HQ * D).unwrap();
+        let s = time(dev, 20, || {
+            ops.paged_attention(&q, &key_cache, &value_cache, &meta, dims, 0.088, &mut out)
+                .unwrap()
+        });
+        let what = format!(
+            "attention {name} decode {SEQS}x{} (partitions {})",
+            CONTEXT + 1,
+            plan.decode_partitions
+        );
+        report(&what, s, bytes);
+        report("  x 28 layers", s * LAYERS as f64, bytes * LAYERS as f64);
+    }
+}
+
+/// Decode attention alone at the shapes of issue 11: batch 256 × 601 keys, batch 256
+/// of 100 to 1,023 keys (nanovllm-256's mix of lengths, as `decode_batch_bench` in the
+/// worker) and batch 1 × 384 keys (single-request latency, the combine included), for
+/// Qwen3-0.6B (16 q / 8 kv heads) and Qwen3-8B (32 / 8), head size 128, bf16. Each row
+/// also tries other keys per partition than the plan's (`part N`: one partition of 2048
+/// was the batch-256 CUDA graph's before `DEC_MIN_GRID_PARTITIONS`), and prints the
+/// largest difference from the output of the plan's own partitions.
+///
+///   cuda_bench decode_attention --ignored --nocapture   (scripts/gpu_round.sh kernel-bench)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
+fn decode_attention() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let ragged: Vec<i32> = (0..256).map(|i| 100 + (i * 379) % 924).collect();
+    let big = [2048, 1024, 512, 256, 128];
+    let cases: [(Vec<i32>, &[usize]); 3] = [
+        (vec![601; 256], &big),
+        (ragged, &big),
+        (vec![384], &[64, 128, 256]),
+    ];
+    for (lens, partitions) in cases {
+        decode_plan_rows(&dev, &ops, "decode_attention", lens, partitions, true);
+    }
+}
+
+/// Decode attention at the later states of nanovllm-256 (prompts of 100–1,023 tokens,
+/// outputs of 100–1,024, so as sequences finish the batch shrinks and the rest grow), and
+/// at small batches of long sequences, as `decode_attention`: the plan (what the model's
+/// CUDA graph of the batch's bucket runs, `DecodeGrid`) against fixed partitions.
+///
+///   cuda_bench decode_attention_late --ignored --nocapture   (gpu_round.sh decode-late)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh decode-late runs it"]
+fn decode_attention_late() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let spread = |n: usize, lo: i32, hi: i32| -> Vec<i32> {
+        (0..n as i32)
+            .map(|i| lo + (i * 379) % (hi - lo + 1))
+            .collect()
+    };
+    for lens in [
+        spread(192, 300, 1_600),
+        spread(128, 600, 1_900),
+        spread(64, 1_000, 2_000),
+        spread(32, 1_200, 2_000),
+        spread(16, 1_200, 2_000),
+        spread(8, 1_500, 2_000),
+        spread(8, 300, 600),
+        spread(4, 1_000, 2_000),
+        spread(2, 1_000, 2_000),
+        vec![384],
+        vec![1_000],
+        vec![2_000],
+        vec![8_000],
+    ] {
+        let partitions = [2048, 1024, 512, 256, 128, 64, 32];
+        decode_plan_rows(&dev, &ops, "decode_late", lens, &partitions, false);
+    }
+}
+
+/// One `BENCH <bench>` row per (model, plan) for sequences of `lens` keys: the planned
+/// partition first, then each of `partitions` (skipping those past the shared memory a
+/// block takes without opting in, or, for one sequence, which keeps the grid's partition
+/// count, too short for its keys), each with its largest difference from the planned
+/// output. `batch_order`: ragged batches also run each plan in the batch's own order
+/// instead of longest first.
+fn decode_plan_rows(
+    dev: &CudaDevice,
+    ops: &CudaOps,
+    bench: &str,
+    lens: Vec<i32>,
+    partitions: &[usize],
+    batch_order: bool,
+) {
+    let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
+    let mut shape = DecodeShape::new(dev, lens);
+    let ragged = shape.keys != mean;
+    for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+        shape.set_q_heads(dev, hq);
+        let reference_plan = shape.plan(ops, None);
+        let (_, reference) = shape.run(dev, ops, &reference_plan);
+        let row = |what: &str, plan: &AttentionPlan| {
+            let (s, out) = shape.run(dev, ops, plan);
+            let diff = max_abs_diff(&out, &reference);
+            println!(
+                "BENCH {bench} {what:<52} {:>8.2} us {:>6.3} TB/s max|diff| {diff:.2e}",
+                s * 1e6,
+                shape.bytes() / s / 1e12
+            );
+        };
+        let planned = std::iter::once(None).chain(partitions.iter().map(|&p| Some(p)));
+        for partition in planned {
+            let plan = shape.plan(ops, partition);
+            if plan.decode_shared_bytes(D) > 48 * 1024
+                || plan.decode_partitions * plan.decode_partition < shape.keys
+            {
+                continue;
+            }
+            let what = format!(
+                "decode {model} {seqs}x{mean}{} {} part {}x{}",
+                if ragged { "~" } else { "" },
+                if partition.is_none() { "plan" } else { "fixed" },
+                plan.decode_partitions,
+                plan.decode_partition
+            );
+            row(&what, &plan);
+            if batch_order && ragged {
+                // The plan's longest-first order against the batch's own.
+                let mut in_batch_order = plan.clone();
+                in_batch_order.decode_seqs.sort();
+                row(&format!("{what} batch order"), &in_batch_order);
+            }
+        }
+    }
+}
+
+/// The largest |a - b|, NaN if any element is NaN.
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |m, (x, y)| {
+        let d = (x - y).abs();
+        if m.is_nan() || d.is_nan() {
+            f32::NAN
+        } else {
+            m.max(d)
+        }
+    })
+}

@@ -1,0 +1,306 @@
+//! Decode GEMMs: cuBLAS against our `gemv` and `thin_gemm` at the layer shapes of the
+//! models, and of one rank's shard under tensor parallelism.
+
+use super::*;
+
+pub(super) fn gemms(dev: &CudaDevice) {
+    let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+    let ops = CudaOps::new(dev, DType::BF16).expect("build kernels");
+    let mut per_layer = 0.0;
+    let mut per_layer_bytes = 0.0;
+    for (name, k, n, count) in [
+        ("qkv_proj", HIDDEN, (HQ + 2 * HKV) * D, LAYERS),
+        ("o_proj", HQ * D, HIDDEN, LAYERS),
+        ("gate_up_proj", HIDDEN, 2 * 3072, LAYERS),
+        ("down_proj", 3072, HIDDEN, LAYERS),
+        ("lm_head", HIDDEN, VOCAB, 1),
+    ] {
+        let x = random(dev, SEQS * k, 5);
+        let w = random(dev, n * k, 6);
+        let mut out = ops.alloc(SEQS * n).unwrap();
+        let s = time(dev, 20, || {
+            gemm.linear(&x, &w, &mut out, SEQS, k, n).unwrap()
+        });
+        let bytes = ((n * k + SEQS * k + SEQS * n) * 2) as f64;
+        let flops = 2.0 * (SEQS * k * n) as f64;
+        report(&format!("gemm {name} [{SEQS}x{k}]x[{n}x{k}]T"), s, bytes);
+        println!(
+            "BENCH kernel   {:.0} TFLOP/s; x {count}: {:.1} us",
+            flops / s / 1e12,
+            s * count as f64 * 1e6
+        );
+        if count == LAYERS {
+            per_layer += s;
+            per_layer_bytes += bytes;
+        }
+    }
+    report(
+        "gemms of 28 layers",
+        per_layer * LAYERS as f64,
+        per_layer_bytes * LAYERS as f64,
+    );
+}
+
+/// A GEMM of a model: (name, k, n).
+type GemmShape = (&'static str, usize, usize);
+
+/// The layer GEMMs and LM head of Qwen3-0.6B and Qwen3-8B.
+const MODEL_GEMMS: [(&str, [GemmShape; 5]); 2] = [
+    (
+        "0.6B",
+        [
+            ("qkv_proj", 1024, 4096),
+            ("o_proj", 2048, 1024),
+            ("gate_up_proj", 1024, 6144),
+            ("down_proj", 3072, 1024),
+            ("lm_head", 1024, VOCAB),
+        ],
+    ),
+    (
+        "8B",
+        [
+            ("qkv_proj", 4096, 6144),
+            ("o_proj", 4096, 4096),
+            ("gate_up_proj", 4096, 24576),
+            ("down_proj", 12288, 4096),
+            ("lm_head", 4096, VOCAB),
+        ],
+    ),
+];
+
+/// Copies of one random bf16 matrix of `elems` filling 256 MB (1 to 64 of them), for a
+/// GEMM bench to read a different one each call: the 50 MB L2 then holds none, and the
+/// figures are HBM figures. Made on the device (generating each on the host would take
+/// longer than the whole benchmark).
+fn weight_copies(dev: &CudaDevice, elems: usize) -> Vec<CudaSlice<u8>> {
+    let w0 = random(dev, elems, 100);
+    let copies = ((256 << 20) as f64 / (elems * 2) as f64)
+        .ceil()
+        .clamp(1.0, 64.0) as usize;
+    (0..copies)
+        .map(|_| dev.stream.clone_dtod(&w0).expect("copy weights"))
+        .collect()
+}
+
+/// Decode GEMMs at batch 1–8, cuBLAS against the thin-GEMM kernel (both rows-per-warp
+/// variants and the one `gemv` picks), for the layer shapes of Qwen3-0.6B and Qwen3-8B.
+/// Each call reads a different copy of the weights, 256 MB in all, so the 50 MB L2 holds
+/// none of them and the figures are HBM figures; calls are timed inside a CUDA graph, as
+/// the model's decode steps run, so the host's launch cost is not in them.
+///
+///   cuda_bench thin_gemms --ignored --nocapture    (scripts/gpu_round.sh kernel-bench)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh kernel-bench runs it"]
+fn thin_gemms() {
+    gemv_table(&MODEL_GEMMS, &[1, 2, 4, 8]);
+}
+
+/// One rank's decode GEMMs under tensor parallelism, at batch 1: Qwen3-8B at TP=2 and 4,
+/// the Llama-3.1-70B shape at TP=4 (column shards of qkv and gate_up, row shards of o
+/// and down, the vocabulary-parallel LM head), as `thin_gemms` times them.
+///
+///   cuda_bench tp_rank_gemvs --ignored --nocapture    (scripts/gpu_round.sh tp-gemv)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh tp-gemv runs it"]
+fn tp_rank_gemvs() {
+    const TP_GEMMS: [(&str, [GemmShape; 5]); 3] = [
+        (
+            "8B TP=2",
+            [
+                ("qkv_proj", 4096, 3072),
+                ("o_proj", 2048, 4096),
+                ("gate_up_proj", 4096, 12288),
+                ("down_proj", 6144, 4096),
+                ("lm_head", 4096, VOCAB / 2),
+            ],
+        ),
+        (
+            "8B TP=4",
+            [
+                ("qkv_proj", 4096, 1536),
+                ("o_proj", 1024, 4096),
+                ("gate_up_proj", 4096, 6144),
+                ("down_proj", 3072, 4096),
+                ("lm_head", 4096, VOCAB / 4),
+            ],
+        ),
+        (
+            "70B TP=4",
+            [
+                ("qkv_proj", 8192, 2560),
+                ("o_proj", 2048, 8192),
+                ("gate_up_proj", 8192, 14336),
+                ("down_proj", 7168, 8192),
+                ("lm_head", 8192, 128256 / 4),
+            ],
+        ),
+    ];
+    gemv_table(&TP_GEMMS, &[1]);
+}
+
+/// cuBLAS against `gemv` (both rows-per-warp variants and the one it picks) for each
+/// model's shapes at each batch `ms`, and the layer's sum.
+fn gemv_table(models: &[(&str, [GemmShape; 5])], ms: &[usize]) {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+    for &(model, shapes) in models {
+        for &m in ms {
+            let (mut layer_blas, mut layer_gemv, mut layer_bytes) = (0.0, 0.0, 0.0);
+            for (name, k, n) in shapes {
+                let bytes = ((n * k + m * k + m * n) * 2) as f64;
+                let ws = weight_copies(&dev, n * k);
+                let copies = ws.len();
+                let x = random(&dev, m * k, 5);
+                let mut out = ops.alloc(m * n).unwrap();
+                let mut i = 0;
+                let mut next = || {
+                    i = (i + 1) % copies;
+                    &ws[i]
+                };
+                let blas = time_graph(&dev, 40, || {
+                    gemm.linear(&x, next(), &mut out, m, k, n).unwrap()
+                });
+                let mut rows = [0.0; 2];
+                for (r, t) in rows.iter_mut().enumerate() {
+                    *t = time_graph(&dev, 40, || {
+                        ops.gemv_with_rows(&x, next(), &mut out, (m, k, n), r + 1)
+                            .unwrap()
+                    });
+                }
+                let picked = time_graph(&dev, 40, || {
+                    ops.gemv(&x, next(), &mut out, m, k, n).unwrap()
+                });
+                let what = format!("{model} {name} m={m} [{k}->{n}]");
+                report(&format!("{what} cublas"), blas, bytes);
+                report(&format!("{what} gemv r1"), rows[0], bytes);
+                report(&format!("{what} gemv r2"), rows[1], bytes);
+                report(&format!("{what} gemv picked"), picked, bytes);
+                if name == "gate_up_proj" && m == 1 {
+                    // The activation in the GEMM's epilogue against its own launch.
+                    let mut act = ops.alloc(n / 2).unwrap();
+                    let unfused = time_graph(&dev, 40, || {
+                        let w = next();
+                        ops.gemv(&x, w, &mut out, m, k, n).unwrap();
+                        ops.silu_and_mul(&out, &mut act, 1, n / 2).unwrap()
+                    });
+                    let fused = time_graph(&dev, 40, || {
+                        ops.gemv_silu_mul(&x, next(), &mut act, k, n / 2).unwrap()
+                    });
+                    report(&format!("{what} gemv + silu_and_mul"), unfused, bytes);
+                    report(&format!("{what} gemv_silu_mul"), fused, bytes);
+                }
+                if name != "lm_head" {
+                    layer_blas += blas;
+                    layer_gemv += picked;
+                    layer_bytes += bytes;
+                }
+            }
+            report(
+                &format!("{model} layer GEMMs m={m} cublas"),
+                layer_blas,
+                layer_bytes,
+            );
+            report(
+                &format!("{model} layer GEMMs m={m} gemv"),
+                layer_gemv,
+                layer_bytes,
+            );
+        }
+    }
+}
+
+/// Decode GEMMs at batch 1–32 (Hopper): cuBLAS (after tuning, as the model's graphs run
+/// it; gemv at one row) against our warpgroup kernel (`thin_gemm`) at its planned splits,
+/// half and twice as many, and the gate/up product with SiLU-and-mul fused against cuBLAS
+/// followed by `silu_and_mul`; then each model's four layer GEMMs summed. Weights rotate
+/// through 256 MB of copies, so the figures are HBM figures, timed inside a CUDA graph.
+///
+///   cuda_bench decode_gemms --ignored --nocapture    (scripts/gpu_round.sh gemm-bench)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh gemm-bench runs it"]
+fn decode_gemms() {
+    use vllm_kernels::cuda::thin_gemm::ThinGemmPlan;
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    if !ops.has_thin_gemm() {
+        eprintln!(
+            "SKIPPED: thin_gemm is a Hopper (sm_90a) kernel; this is {}",
+            dev.arch()
+        );
+        return;
+    }
+    let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+    const MS: [usize; 6] = [1, 2, 4, 8, 16, 32]; // THIN_GEMM_MAX_M
+    for (model, shapes) in MODEL_GEMMS {
+        // Per m: the layer's GEMMs by cuBLAS, by thin_gemm, and their bytes.
+        let mut layer = [(0.0, 0.0, 0.0); MS.len()];
+        for (name, k, n) in shapes {
+            let ws = weight_copies(&dev, n * k);
+            let copies = ws.len();
+            for (mi, m) in MS.into_iter().enumerate() {
+                let bytes = ((n * k + m * k + m * n) * 2) as f64;
+                let x = random(&dev, m * k, 5);
+                let mut out = ops.alloc(m * n).unwrap();
+                let mut act = ops.alloc(m * n / 2).unwrap();
+                let mut i = 0;
+                let mut next = || {
+                    i = (i + 1) % copies;
+                    &ws[i]
+                };
+                gemm.tuning(|| gemm.linear(&x, &ws[0], &mut out, m, k, n).unwrap());
+                // One row: the model's gemv stands where cuBLAS does at more rows.
+                let blas = time_graph(&dev, 40, || {
+                    if m == 1 {
+                        ops.gemv(&x, next(), &mut out, m, k, n).unwrap()
+                    } else {
+                        gemm.linear(&x, next(), &mut out, m, k, n).unwrap()
+                    }
+                });
+                let what = format!("{model} {name} m={m} [{k}->{n}]");
+                let base = if m == 1 { "gemv" } else { "cublas" };
+                report(&format!("{what} {base}"), blas, bytes);
+                let plan = ThinGemmPlan::new((m, k, n), ops.num_sms, None);
+                let mut ours = f64::INFINITY;
+                for splits in [plan.splits, plan.splits.div_ceil(2), plan.splits * 2] {
+                    let s = time_graph(&dev, 40, || {
+                        ops.thin_gemm(&x, next(), &mut out, (m, k, n), Some(splits))
+                            .unwrap()
+                    });
+                    report(&format!("{what} thin_gemm splits={splits}"), s, bytes);
+                    if splits == plan.splits {
+                        ours = s;
+                    }
+                }
+                let (mut blas_layer, mut ours_layer) = (blas, ours);
+                if name == "gate_up_proj" {
+                    let unfused = time_graph(&dev, 40, || {
+                        if m == 1 {
+                            ops.gemv_silu_mul(&x, next(), &mut act, k, n / 2).unwrap()
+                        } else {
+                            gemm.linear(&x, next(), &mut out, m, k, n).unwrap();
+                            ops.silu_and_mul(&out, &mut act, m, n / 2).unwrap()
+                        }
+                    });
+                    let fused = time_graph(&dev, 40, || {
+                        ops.thin_gemm_silu_mul(&x, next(), &mut act, (m, k, n / 2), None)
+                            .unwrap()
+                    });
+                    report(&format!("{what} {base} + silu_and_mul"), unfused, bytes);
+                    report(&format!("{what} thin_gemm_silu_mul"), fused, bytes);
+                    (blas_layer, ours_layer) = (unfused, fused);
+                }
+                if name != "lm_head" {
+                    layer[mi].0 += blas_layer;
+                    layer[mi].1 += ours_layer;
+                    layer[mi].2 += bytes;
+                }
+            }
+        }
+        for (m, (blas, ours, bytes)) in MS.into_iter().zip(layer) {
+            let base = if m == 1 { "gemv" } else { "cublas" };
+            report(&format!("{model} layer GEMMs m={m} {base}"), blas, bytes);
+            report(&format!("{model} layer GEMMs m={m} thin_gemm"), ours, bytes);
+        }
+    }
+}

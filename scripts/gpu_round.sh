@@ -99,6 +99,15 @@ make_model() { # preset dir
     [ -d "$2" ] || "$BIN" make-tiny-model --preset "$1" --out "$2" >/dev/null
 }
 
+# bench_run SECONDS ERR ARGS…: `$BIN ARGS…` under a timeout ($BENCH_TIMEOUT, else SECONDS),
+# its report as indented BENCH lines, its stderr in $LOG/ERR, then its exit status.
+bench_run() {
+    local secs=${BENCH_TIMEOUT:-$1} err=$2
+    shift 2
+    timeout -k 5 "$secs" "$BIN" "$@" 2>"$LOG/$err" | sed 's/^/BENCH   /'
+    echo "BENCH   (rc=${PIPESTATUS[0]})"
+}
+
 # Greedy text on cuda vs cpu through the real processes (generate).
 served_check() {
     local preset=$1 tokens=$2
@@ -220,15 +229,13 @@ offline_bench() {
     make_model qwen3-0.6b "$m"
     for att in ${ATTENTION_BACKENDS:-flash cuda-core}; do
         echo "BENCH latency qwen3-0.6b --attention-backend $att (128 prompt, 256 output, batch 1):"
-        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench latency --model "$m" --device cuda --attention-backend "$att" $ENGINE_ARGS --input-len 128 \
-            --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
-            2>"$LOG/bench-latency-$att.err" | sed 's/^/BENCH   /'
-        echo "BENCH   (rc=${PIPESTATUS[0]})"
+        bench_run 120 "bench-latency-$att.err" bench latency --model "$m" --device cuda \
+            --attention-backend "$att" $ENGINE_ARGS --input-len 128 --output-len 256 \
+            --batch-size 1 --num-iters-warmup 2 --num-iters 5
         echo "BENCH throughput nanovllm-256 --attention-backend $att (bench throughput, in-process):"
-        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench throughput --model "$m" --device cuda --attention-backend "$att" $ENGINE_ARGS \
-            --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
-            2>"$LOG/bench-throughput-$att.err" | sed 's/^/BENCH   /'
-        echo "BENCH   (rc=${PIPESTATUS[0]})"
+        bench_run 120 "bench-throughput-$att.err" bench throughput --model "$m" --device cuda \
+            --attention-backend "$att" $ENGINE_ARGS --dataset "$G/nanovllm-256.jsonl" \
+            --temperature 0.6 --ignore-eos
     done
 }
 
@@ -252,11 +259,9 @@ latency_8b() {
     local att
     for att in ${ATTENTION_BACKENDS:-flash}; do
         echo "BENCH latency qwen3-8b --attention-backend $att (128 prompt, 256 output, batch 1):"
-        timeout -k 5 "${BENCH_TIMEOUT:-120}" "$BIN" bench latency --model "$G/models/Qwen3-8B" \
+        bench_run 120 "latency-8b-$att.err" bench latency --model "$G/models/Qwen3-8B" \
             --load-format dummy --device cuda --attention-backend "$att" $ENGINE_ARGS --input-len 128 \
-            --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5 \
-            2>"$LOG/latency-8b-$att.err" | sed 's/^/BENCH   /'
-        echo "BENCH   (rc=${PIPESTATUS[0]})"
+            --output-len 256 --batch-size 1 --num-iters-warmup 2 --num-iters 5
     done
 }
 
@@ -271,11 +276,9 @@ serve_bench() {
     wait_health $port $pid
     for rate in inf 16; do
         echo "BENCH serve 1000 x 512/128 --request-rate $rate $ENGINE_ARGS:"
-        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench serve --port $port --model "$m" \
+        bench_run 150 "serve-bench-$rate.err" bench serve --port $port --model "$m" \
             --dataset-name random --random-input-len 512 --random-output-len 128 \
-            --num-prompts 1000 --request-rate $rate --ignore-eos --seed 0 --disable-tqdm \
-            2>"$LOG/serve-bench-$rate.err" | sed 's/^/BENCH   /'
-        echo "BENCH   (rc=${PIPESTATUS[0]})"
+            --num-prompts 1000 --request-rate $rate --ignore-eos --seed 0 --disable-tqdm
     done
     kill $pid 2>/dev/null
     wait $pid 2>/dev/null
@@ -285,11 +288,9 @@ serve_bench() {
 # weights drawn on the GPU, Llama 3's tokenizer from the 70B folder.
 llama_8b() {
     echo "BENCH throughput nanovllm-256 llama-3.1-8b $ENGINE_ARGS:"
-    timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench throughput --model "$G/models/Llama-3.1-8B" \
+    bench_run 150 "llama-8b.err" bench throughput --model "$G/models/Llama-3.1-8B" \
         --tokenizer "$G/models/Llama-3.1-70B" --load-format dummy --device cuda $ENGINE_ARGS \
-        --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos \
-        2>"$LOG/llama-8b.err" | sed 's/^/BENCH   /'
-    echo "BENCH   (rc=${PIPESTATUS[0]})"
+        --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos
 }
 
 # Tensor parallelism: greedy text at TP=2 equals TP=1 (random Qwen3 models, real processes).
@@ -332,11 +333,9 @@ tp_latency() {
         read -r tp extra <<<"$run"
         echo "BENCH latency qwen3-8b TP=$tp ${extra:-} (128 prompt, 256 output, batch 1):"
         # shellcheck disable=SC2086
-        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench latency --model "$G/models/Qwen3-8B" \
+        bench_run 150 "tp-latency-$tp${extra:+-nccl}.err" bench latency --model "$G/models/Qwen3-8B" \
             --load-format dummy --device cuda -t "$tp" $extra --input-len 128 --output-len 256 \
-            --batch-size 1 --num-iters-warmup 2 --num-iters 5 ${ENGINE_ARGS:-} \
-            2>"$LOG/tp-latency-$tp${extra:+-nccl}.err" | sed 's/^/BENCH   /'
-        echo "BENCH   (rc=${PIPESTATUS[0]})"
+            --batch-size 1 --num-iters-warmup 2 --num-iters 5 ${ENGINE_ARGS:-}
     done
 }
 
@@ -345,10 +344,8 @@ tp_throughput() {
     make_model qwen3-0.6b "$m"
     for tp in $TP_SIZES; do
         echo "BENCH throughput nanovllm-256 qwen3-0.6b TP=$tp (bench throughput, in-process):"
-        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench throughput --model "$m" --device cuda \
-            -t "$tp" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos ${ENGINE_ARGS:-} \
-            2>"$LOG/tp-throughput-$tp.err" | sed 's/^/BENCH   /'
-        echo "BENCH   (rc=${PIPESTATUS[0]})"
+        bench_run 150 "tp-throughput-$tp.err" bench throughput --model "$m" --device cuda \
+            -t "$tp" --dataset "$G/nanovllm-256.jsonl" --temperature 0.6 --ignore-eos ${ENGINE_ARGS:-}
     done
 }
 
@@ -371,11 +368,9 @@ tp_70b() {
     kill $pid 2>/dev/null
     wait $pid 2>/dev/null
     echo "BENCH latency llama-3.1-70b TP=$TP_MAX (128 prompt, 128 output, batch 1):"
-    timeout -k 5 "${BENCH_TIMEOUT:-200}" "$BIN" bench latency --model "$m" --load-format dummy \
+    bench_run 200 "latency-70b.err" bench latency --model "$m" --load-format dummy \
         --device cuda -t "$TP_MAX" --input-len 128 --output-len 128 --batch-size 1 \
-        --num-iters-warmup 1 --num-iters 3 --max-model-len 8192 ${ENGINE_ARGS:-} \
-        2>"$LOG/latency-70b.err" | sed 's/^/BENCH   /'
-    echo "BENCH   (rc=${PIPESTATUS[0]})"
+        --num-iters-warmup 1 --num-iters 3 --max-model-len 8192 ${ENGINE_ARGS:-}
 }
 
 # One TP=$TP_MAX rank's own step, without collectives: bench latency at TP=1 of models of a
@@ -396,11 +391,9 @@ for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
 json.dump(c, open(sys.argv[2], "w"))
 PY
         echo "BENCH latency $name, one TP=$TP_MAX rank's shapes at TP=1 (128 prompt, 128 output, batch 1):"
-        timeout -k 5 "${BENCH_TIMEOUT:-150}" "$BIN" bench latency --model "$dst" --load-format dummy \
+        bench_run 150 "tp-rank-$name.err" bench latency --model "$dst" --load-format dummy \
             --device cuda -t 1 --input-len 128 --output-len 128 --batch-size 1 --num-iters-warmup 1 \
-            --num-iters 3 --max-model-len 8192 ${ENGINE_ARGS:-} 2>"$LOG/tp-rank-$name.err" |
-            sed 's/^/BENCH   /'
-        echo "BENCH   (rc=${PIPESTATUS[0]})"
+            --num-iters 3 --max-model-len 8192 ${ENGINE_ARGS:-}
     done
 }
 
@@ -476,7 +469,7 @@ long_context() {
 
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS TP_SIZES TP_MAX
-export -f long_context make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
+export -f bench_run long_context make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
     tp_serve tp_latency tp_throughput tp_70b tp_rank_latency
 
 for s in $STAGES; do

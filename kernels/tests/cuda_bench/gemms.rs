@@ -96,58 +96,51 @@ fn thin_gemms() {
 }
 
 /// One rank's decode GEMMs under tensor parallelism, at batch 1: Qwen3-8B at TP=2 and 4,
-/// the Llama-3.1-70B shape at TP=4 (column shards of qkv and gate_up, row shards of o
-/// and down, the vocabulary-parallel LM head), as `thin_gemms` times them.
+/// the Llama-3.1-70B shape at TP=4 (`rank_shapes`), as `thin_gemms` times them.
 ///
 ///   cuda_bench tp_rank_gemvs --ignored --nocapture    (scripts/gpu_round.sh tp-gemv)
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh tp-gemv runs it"]
 fn tp_rank_gemvs() {
-    const TP_GEMMS: [(&str, [GemmShape; 5]); 3] = [
-        (
-            "8B TP=2",
-            [
-                ("qkv_proj", 4096, 3072),
-                ("o_proj", 2048, 4096),
-                ("gate_up_proj", 4096, 12288),
-                ("down_proj", 6144, 4096),
-                ("lm_head", 4096, VOCAB / 2),
-            ],
-        ),
-        (
-            "8B TP=4",
-            [
-                ("qkv_proj", 4096, 1536),
-                ("o_proj", 1024, 4096),
-                ("gate_up_proj", 4096, 6144),
-                ("down_proj", 3072, 4096),
-                ("lm_head", 4096, VOCAB / 4),
-            ],
-        ),
-        (
-            "70B TP=4",
-            [
-                ("qkv_proj", 8192, 2560),
-                ("o_proj", 2048, 8192),
-                ("gate_up_proj", 8192, 14336),
-                ("down_proj", 7168, 8192),
-                ("lm_head", 8192, 128256 / 4),
-            ],
-        ),
+    const LLAMA_70B: [GemmShape; 5] = [
+        ("qkv_proj", 8192, 10240),
+        ("o_proj", 8192, 8192),
+        ("gate_up_proj", 8192, 57344),
+        ("down_proj", 28672, 8192),
+        ("lm_head", 8192, 128_256),
     ];
-    gemv_table(&TP_GEMMS, &[1]);
+    let qwen3_8b = MODEL_GEMMS[1].1;
+    let models: Vec<(String, [GemmShape; 5])> = [
+        ("8B", qwen3_8b, 2),
+        ("8B", qwen3_8b, 4),
+        ("70B", LLAMA_70B, 4),
+    ]
+    .into_iter()
+    .map(|(model, shapes, tp)| (format!("{model} TP={tp}"), rank_shapes(shapes, tp)))
+    .collect();
+    gemv_table(&models, &[1]);
+}
+
+/// One rank's part of each GEMM at `tp`: the column-parallel ones (qkv, gate/up and the
+/// vocabulary-parallel LM head, padded as the model pads it) split their outputs, the
+/// row-parallel ones (o, down) their inputs.
+fn rank_shapes(shapes: [GemmShape; 5], tp: usize) -> [GemmShape; 5] {
+    shapes.map(|(name, k, n)| match name {
+        "o_proj" | "down_proj" => (name, k / tp, n),
+        _ => (name, k, n.div_ceil(tp)),
+    })
 }
 
 /// cuBLAS against `gemv` (both rows-per-warp variants and the one it picks) for each
 /// model's shapes at each batch `ms`, and the layer's sum.
-fn gemv_table(models: &[(&str, [GemmShape; 5])], ms: &[usize]) {
+fn gemv_table<S: std::fmt::Display>(models: &[(S, [GemmShape; 5])], ms: &[usize]) {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
-    for &(model, shapes) in models {
+    for (model, shapes) in models {
         for &m in ms {
             let (mut layer_blas, mut layer_gemv, mut layer_bytes) = (0.0, 0.0, 0.0);
-            for (name, k, n) in shapes {
+            for &(name, k, n) in shapes {
                 let bytes = ((n * k + m * k + m * n) * 2) as f64;
                 let ws = weight_copies(&dev, n * k);
                 let copies = ws.len();

@@ -63,11 +63,11 @@ def build_model(config_dir, out_dir, seed):
     return model.eval(), config
 
 
-def make_prompts(vocab, seed):
+def make_prompts(vocab, seed, count=NUM_PROMPTS):
     rng = np.random.default_rng(seed)
     return [
         rng.integers(0, vocab, size=int(rng.integers(8, 41))).tolist()
-        for _ in range(NUM_PROMPTS)
+        for _ in range(count)
     ]
 
 

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_parity  # noqa: E402
-from hf_parity import NEW_TOKENS, bf16_ulp, build_model, hf_side, make_prompts  # noqa: E402
+from hf_parity import (NEW_TOKENS, NUM_PROMPTS, bf16_ulp, build_model,  # noqa: E402
+                       hf_side, make_prompts)
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
 
@@ -135,7 +135,7 @@ def main():
     ap.add_argument("--work", default="/dev/shm/vllm-rs-tp")
     ap.add_argument("--tp", default="2", help="the TP sizes served beside TP=1, e.g. 2,4")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--num-prompts", type=int, default=hf_parity.NUM_PROMPTS,
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS,
                     help="more prompts steady the bf16 divergence counts (16 move by 2-3 a run)")
     ap.add_argument("--also-with", help="a server flag: the largest TP serves again with it, and "
                     "its answers are compared with that TP's (e.g. --also-with=--disable-custom-all-reduce)")
@@ -155,8 +155,8 @@ def main():
     for f in TOKENIZER_FILES:
         if os.path.exists(os.path.join(tokenizer, f)):
             shutil.copy(os.path.join(tokenizer, f), mdir)
-    hf_parity.NUM_PROMPTS = num = args.num_prompts
-    prompts = make_prompts(config.vocab_size, seed=77)
+    num = args.num_prompts
+    prompts = make_prompts(config.vocab_size, seed=77, count=num)
     hf_prefill, hf_tokens, hf_rows = hf_side(model, prompts)
     hf_first = [log_softmax_last(p) for p in hf_prefill]
     model.set_attn_implementation("eager")

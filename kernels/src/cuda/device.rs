@@ -23,6 +23,8 @@ pub struct CudaDevice {
     /// Compute capability (major, minor).
     pub compute_capability: (i32, i32),
     pub num_sms: usize,
+    /// Bytes of L2 cache.
+    pub l2_bytes: usize,
     pool: Option<Pool>,
 }
 
@@ -65,12 +67,16 @@ impl CudaDevice {
         let num_sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_error("reading the SM count", e))? as usize;
+        let l2_bytes = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(|e| driver_error("reading the L2 size", e))? as usize;
         let pool = default_pool(&ctx);
         tracing::info!(
             ordinal,
             name,
             sm = format!("{}.{}", compute_capability.0, compute_capability.1),
             num_sms,
+            l2_mib = l2_bytes >> 20,
             "opened CUDA device"
         );
         Ok(Self {
@@ -80,6 +86,7 @@ impl CudaDevice {
             name,
             compute_capability,
             num_sms,
+            l2_bytes,
             pool,
         })
     }

@@ -91,6 +91,11 @@ impl Gemm {
         r
     }
 
+    /// Whether `tuning` is running (the caller's own timed choices may be made too).
+    pub fn is_tuning(&self) -> bool {
+        self.tuning.load(Ordering::Relaxed)
+    }
+
     pub fn tuning_counts(&self) -> TuningCounts {
         self.lt
             .as_ref()
@@ -144,7 +149,7 @@ impl Gemm {
                 y: op,
             },
         );
-        if self.tuning.load(Ordering::Relaxed) && !lt.is_tuned(mkn) {
+        if self.is_tuning() && !lt.is_tuned(mkn) {
             let mut baseline = || self.gemm_ex((xp, wp, op), (mi, ki, ni));
             lt.tune(mkn, ops, &mut baseline)?;
         }

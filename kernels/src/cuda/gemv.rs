@@ -15,6 +15,16 @@ pub const GEMV_MAX_M: usize = 8;
 pub const GEMV_PAYS_MAX_M: usize = 1;
 /// Warps per block (`GEMV_WARPS` of gemv.cu).
 const GEMV_WARPS: usize = 8;
+/// The span L2 fetches for a prefetch hint (`prefetch_l2`).
+const L2_LINE: usize = 128;
+
+/// The lines of each of `rows` rows of `row_bytes` a gemv asks L2 for before its PDL wait,
+/// so that about `early_l2` bytes of w in all are asked for (the first lines of every
+/// row, the order the kernel reads them in).
+fn early_lines(early_l2: usize, rows: usize, row_bytes: usize) -> Result<i32> {
+    let lines = (early_l2 / rows.max(1) / L2_LINE).min(row_bytes.div_ceil(L2_LINE));
+    i32_of(lines, "early lines")
+}
 
 impl CudaOps {
     /// Whether `gemv` takes this product: at most `GEMV_MAX_M` rows, rows of whole 16-byte
@@ -24,17 +34,19 @@ impl CudaOps {
         (1..=GEMV_MAX_M).contains(&m) && k.is_multiple_of(vec) && self.aligned16(&bufs)
     }
 
-    /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `gemv_fits` takes.
+    /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `gemv_fits` takes. About
+    /// `early_l2` bytes of w are asked of L2 before the kernel waits for the one before it
+    /// (gemv.cu, `early_lines`; 0 for none).
     pub fn gemv(
         &self,
         x: &CudaSlice<u8>,
         w: &CudaSlice<u8>,
         out: &mut CudaSlice<u8>,
-        m: usize,
-        k: usize,
-        n: usize,
+        (m, k, n): (usize, usize, usize),
+        early_l2: usize,
     ) -> Result<()> {
-        self.gemv_with_rows(x, w, out, (m, k, n), self.gemv_rows_per_warp(m, n))
+        let rows_per_warp = self.gemv_rows_per_warp(m, n);
+        self.gemv_with_rows(x, w, out, (m, k, n), rows_per_warp, early_l2)
     }
 
     /// Rows of w per warp: two halve the reads of x, which matter from four rows of x on,
@@ -50,13 +62,16 @@ impl CudaOps {
 
     /// `out [1, d] = silu(x · w[..d]ᵀ) * (x · w[d..]ᵀ)` for one row of x and the fused
     /// gate/up weight `w [2d, k]`: bit for bit `gemv` then `silu_and_mul`, in one launch.
+    /// An output's gate and up rows are streamed by one warp, or by two (`split`); which
+    /// is faster depends on the shape (the caller times them). `early_l2` as for `gemv`.
     pub fn gemv_silu_mul(
         &self,
         x: &CudaSlice<u8>,
         w: &CudaSlice<u8>,
         out: &mut CudaSlice<u8>,
-        k: usize,
-        d: usize,
+        (k, d): (usize, usize),
+        split: bool,
+        early_l2: usize,
     ) -> Result<()> {
         if d == 0 {
             return Ok(());
@@ -70,11 +85,17 @@ impl CudaOps {
         self.check(w, 2 * d * k, "gemv_silu_mul w")?;
         self.check(out, d, "gemv_silu_mul out")?;
         let (ki, di) = (i32_of(k, "k")?, i32_of(d, "d")?);
-        let cfg = rows_cfg(d.div_ceil(GEMV_WARPS), (GEMV_WARPS * 32) as u32);
+        let early = early_lines(early_l2, 2 * d, k * self.dtype.size())?;
+        let (func, outputs_per_block) = if split {
+            (&self.f.gemv_silu_mul_split_m1, GEMV_WARPS / 2)
+        } else {
+            (&self.f.gemv_silu_mul_m1, GEMV_WARPS)
+        };
+        let cfg = rows_cfg(d.div_ceil(outputs_per_block), (GEMV_WARPS * 32) as u32);
         // SAFETY: sizes and alignment checked above; the kernel reads x [1, k] and
-        // w [2d, k] and writes out [1, d].
-        launch!(unsafe self, gemv_silu_mul_m1, cfg;
-            x, w, out, &ki, &di)
+        // w [2d, k] (its prefetch hints stay within a row) and writes out [1, d].
+        launch!(unsafe self, func => "gemv_silu_mul", cfg;
+            x, w, out, &ki, &di, &early)
     }
 
     /// `gemv` with the rows of w per warp chosen by the caller (1 or 2; the benchmark).
@@ -85,6 +106,7 @@ impl CudaOps {
         out: &mut CudaSlice<u8>,
         (m, k, n): (usize, usize, usize),
         rows_per_warp: usize,
+        early_l2: usize,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -101,11 +123,12 @@ impl CudaOps {
         self.check(w, n * k, "gemv w")?;
         self.check(out, m * n, "gemv out")?;
         let (ki, ni) = (i32_of(k, "k")?, i32_of(n, "n")?);
+        let early = early_lines(early_l2, n, k * self.dtype.size())?;
         let rows_per_block = GEMV_WARPS * rows_per_warp;
         let cfg = rows_cfg(n.div_ceil(rows_per_block), (GEMV_WARPS * 32) as u32);
         // SAFETY: sizes and alignment checked above; the kernel reads x [m, k] and
-        // w [n, k] and writes out [m, n].
+        // w [n, k] (its prefetch hints stay within a row) and writes out [m, n].
         launch!(unsafe self, &self.f.gemv[m - 1][rows_per_warp - 1] => "gemv", cfg;
-            x, w, out, &ki, &ni)
+            x, w, out, &ki, &ni, &early)
     }
 }

@@ -9,10 +9,9 @@
 //! third of Qwen3-0.6B's shapes by 5–20%, and none comes near the byte floor
 //! (docs/BENCHMARKS.md).
 //!
-//! Candidates are timed in a CUDA graph of back-to-back runs, as a step's graph runs them:
-//! timing eager launches measures the host, whose launch costs about as much as one of
-//! these GEMMs (a first version chose on that noise and lost in the graphs). Choices are
-//! kept on disk (gemm_choices.rs), so only the first start on a GPU times anything.
+//! Candidates are timed in a CUDA graph of back-to-back runs, as a step's graph runs them
+//! (graph_timer.rs). Choices are kept on disk (gemm_choices.rs), so only the first start
+//! on a GPU times anything.
 //!
 //! Only the tuned shapes run here; the chosen algorithm never changes afterwards, so an
 //! eager step and a CUDA graph of the same batch compute the same bits.
@@ -24,18 +23,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{anyhow, Result};
 use cudarc::cublaslt::{result as lr, sys as ls};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaStream;
 
 use super::device::driver_error;
 use super::dtype::DType;
 use super::gemm_choices::{self, Choice, Mkn};
+use super::graph_timer::mean_us_in_graph;
 
 /// Candidates asked of the heuristic for one shape.
 const CANDIDATES: usize = 16;
-/// Runs of a candidate in its timing graph, and timed replays of that graph.
-const GRAPH_RUNS: usize = 10;
-const TIMED_REPLAYS: usize = 2;
 /// Shapes whose default GEMM takes longer than this are left to it untimed: they fill the
 /// GPU already (the LM head, 140 µs at 256 rows of Qwen3-0.6B, never lost).
 const TUNE_BELOW_US: f32 = 50.0;
@@ -338,7 +334,7 @@ impl LtMatmul {
         ops: Operands,
         baseline: &mut dyn FnMut() -> Result<()>,
     ) -> Result<(Option<Shape>, f32, f32)> {
-        let base_us = self.time(baseline)?;
+        let base_us = mean_us_in_graph(&self.stream, baseline)?;
         if base_us > TUNE_BELOW_US {
             return Ok((None, base_us, base_us));
         }
@@ -347,7 +343,7 @@ impl LtMatmul {
         for candidate in self.candidates(&shape)? {
             let mut run = || self.matmul(&shape, &candidate.algo, ops);
             // A candidate may still refuse the operands (alignment): skip it.
-            let Ok(us) = self.time(&mut run) else {
+            let Ok(us) = mean_us_in_graph(&self.stream, &mut run) else {
                 continue;
             };
             if best.is_none_or(|(b, _)| us < b) {
@@ -402,43 +398,5 @@ impl LtMatmul {
             .into_iter()
             .filter(|r| r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
             .collect())
-    }
-
-    /// Mean µs of one `f`, from a CUDA graph of GRAPH_RUNS calls replayed TIMED_REPLAYS
-    /// times after a warm-up replay. One call runs first outside the capture: it does a
-    /// first call's setup, and an `f` that refuses its operands fails there.
-    fn time(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<f32> {
-        f()?;
-        self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| driver_error("beginning a capture", e))?;
-        let enqueued = (0..GRAPH_RUNS).try_for_each(|_| f());
-        // End the capture whatever happened, so the stream is usable again.
-        let graph = self
-            .stream
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(|e| driver_error("ending a capture", e));
-        enqueued?;
-        let graph = graph?.ok_or_else(|| anyhow!("timing a GEMM captured an empty graph"))?;
-        let launch = || {
-            graph
-                .launch()
-                .map_err(|e| driver_error("replaying a graph", e))
-        };
-        let event = || {
-            self.stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| driver_error("recording an event", e))
-        };
-        launch()?;
-        let start = event()?;
-        for _ in 0..TIMED_REPLAYS {
-            launch()?;
-        }
-        let end = event()?;
-        let ms = start
-            .elapsed_ms(&end)
-            .map_err(|e| driver_error("timing events", e))?;
-        Ok(ms * 1000.0 / (GRAPH_RUNS * TIMED_REPLAYS) as f32)
     }
 }

@@ -14,6 +14,7 @@ pub mod dtype;
 pub mod gemm;
 pub mod gemm_choices;
 pub mod gemv;
+pub mod graph_timer;
 pub mod launch;
 pub mod libs;
 pub mod lt_matmul;

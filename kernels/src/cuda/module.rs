@@ -36,6 +36,7 @@ pub struct Functions<F = CudaFunction> {
     pub gemv: [[F; 2]; 8],
     /// The gate/up product fused with SiLU-and-mul, one row of x.
     pub gemv_silu_mul_m1: F,
+    pub gemv_silu_mul_split_m1: F,
     /// Indexed by head size (`HEAD_DIMS`).
     pub paged_attention: [F; 4],
     pub paged_attention_combine: F,
@@ -89,6 +90,7 @@ impl<F> Functions<F> {
                 family([1, 2], |r| f(&format!("gemv_m{m}_r{r}")))
             })?,
             gemv_silu_mul_m1: f("gemv_silu_mul_m1")?,
+            gemv_silu_mul_split_m1: f("gemv_silu_mul_split_m1")?,
             paged_attention: family(HEAD_DIMS, |d| f(&format!("paged_attention_d{d}")))?,
             paged_attention_combine: f("paged_attention_combine")?,
             // By head size, then padded GQA group.

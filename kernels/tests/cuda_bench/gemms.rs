@@ -154,34 +154,35 @@ fn gemv_table<S: std::fmt::Display>(models: &[(S, [GemmShape; 5])], ms: &[usize]
                 let blas = time_graph(&dev, 40, || {
                     gemm.linear(&x, next(), &mut out, m, k, n).unwrap()
                 });
-                let mut rows = [0.0; 2];
-                for (r, t) in rows.iter_mut().enumerate() {
-                    *t = time_graph(&dev, 40, || {
-                        ops.gemv_with_rows(&x, next(), &mut out, (m, k, n), r + 1)
-                            .unwrap()
-                    });
-                }
-                let picked = time_graph(&dev, 40, || {
-                    ops.gemv(&x, next(), &mut out, m, k, n).unwrap()
-                });
                 let what = format!("{model} {name} m={m} [{k}->{n}]");
                 report(&format!("{what} cublas"), blas, bytes);
-                report(&format!("{what} gemv r1"), rows[0], bytes);
-                report(&format!("{what} gemv r2"), rows[1], bytes);
+                for rows_per_warp in [1, 2] {
+                    let t = time_graph(&dev, 40, || {
+                        ops.gemv_with_rows(&x, next(), &mut out, (m, k, n), rows_per_warp, 0)
+                            .unwrap()
+                    });
+                    report(&format!("{what} gemv r{rows_per_warp}"), t, bytes);
+                }
+                let picked = time_graph(&dev, 40, || {
+                    ops.gemv(&x, next(), &mut out, (m, k, n), 0).unwrap()
+                });
                 report(&format!("{what} gemv picked"), picked, bytes);
                 if name == "gate_up_proj" && m == 1 {
                     // The activation in the GEMM's epilogue against its own launch.
                     let mut act = ops.alloc(n / 2).unwrap();
                     let unfused = time_graph(&dev, 40, || {
                         let w = next();
-                        ops.gemv(&x, w, &mut out, m, k, n).unwrap();
+                        ops.gemv(&x, w, &mut out, (m, k, n), 0).unwrap();
                         ops.silu_and_mul(&out, &mut act, 1, n / 2).unwrap()
                     });
-                    let fused = time_graph(&dev, 40, || {
-                        ops.gemv_silu_mul(&x, next(), &mut act, k, n / 2).unwrap()
-                    });
                     report(&format!("{what} gemv + silu_and_mul"), unfused, bytes);
-                    report(&format!("{what} gemv_silu_mul"), fused, bytes);
+                    for split in [false, true] {
+                        let fused = time_graph(&dev, 40, || {
+                            ops.gemv_silu_mul(&x, next(), &mut act, (k, n / 2), split, 0)
+                                .unwrap()
+                        });
+                        report(&format!("{what} gemv_silu_mul split={split}"), fused, bytes);
+                    }
                 }
                 if name != "lm_head" {
                     layer_blas += blas;
@@ -245,7 +246,7 @@ fn decode_gemms() {
                 // One row: the model's gemv stands where cuBLAS does at more rows.
                 let blas = time_graph(&dev, 40, || {
                     if m == 1 {
-                        ops.gemv(&x, next(), &mut out, m, k, n).unwrap()
+                        ops.gemv(&x, next(), &mut out, (m, k, n), 0).unwrap()
                     } else {
                         gemm.linear(&x, next(), &mut out, m, k, n).unwrap()
                     }
@@ -269,7 +270,8 @@ fn decode_gemms() {
                 if name == "gate_up_proj" {
                     let unfused = time_graph(&dev, 40, || {
                         if m == 1 {
-                            ops.gemv_silu_mul(&x, next(), &mut act, k, n / 2).unwrap()
+                            ops.gemv_silu_mul(&x, next(), &mut act, (k, n / 2), false, 0)
+                                .unwrap()
                         } else {
                             gemm.linear(&x, next(), &mut out, m, k, n).unwrap();
                             ops.silu_and_mul(&out, &mut act, m, n / 2).unwrap()

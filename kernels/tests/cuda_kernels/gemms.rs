@@ -3,8 +3,9 @@
 
 use super::*;
 
-/// The thin-GEMM kernel at every row count it takes, both rows-per-warp variants, odd
-/// output counts (a warp's second row past the end) and K without a whole unrolled pass.
+/// The thin-GEMM kernel at every row count it takes, both rows-per-warp variants (with and
+/// without early L2 hints), odd output counts (a warp's second row past the end) and K
+/// without a whole unrolled pass.
 /// The output is poisoned one row of x past its end: that row must stay NaN.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
@@ -28,13 +29,14 @@ fn gemv_matches_cpu() {
                 cpu::linear(&x, &w, None, m, k, n, &mut want);
                 let (xd, wd) = (c.upload(&x), c.upload(&w));
                 assert!(c.ops.gemv_fits([&xd, &wd, &xd], m, k));
-                for rows_per_warp in [1, 2] {
+                // Early L2 hints (every line of w, or none) change no value.
+                for (rows_per_warp, early_l2) in [(1, 0), (2, 0), (1, 1 << 30), (2, 1 << 30)] {
                     let mut out = c.poisoned((m + 1) * n);
                     c.ops
-                        .gemv_with_rows(&xd, &wd, &mut out, (m, k, n), rows_per_warp)
+                        .gemv_with_rows(&xd, &wd, &mut out, (m, k, n), rows_per_warp, early_l2)
                         .unwrap();
                     let got = c.download(&out, (m + 1) * n);
-                    let what = format!("gemv m={m} k={k} n={n} r={rows_per_warp}");
+                    let what = format!("gemv m={m} k={k} n={n} r={rows_per_warp} early {early_l2}");
                     // f32 sums on both sides in different orders, one rounding of O(1)
                     // outputs.
                     let t = match dtype {
@@ -59,9 +61,9 @@ fn gemv_matches_cpu() {
     }
 }
 
-/// The fused gate/up product with SiLU-and-mul is bit for bit the thin GEMM followed by
-/// `silu_and_mul` (each checked against the CPU on its own), and writes nothing past its
-/// output.
+/// The fused gate/up product with SiLU-and-mul, an output in one warp or split over two, is
+/// bit for bit the thin GEMM followed by `silu_and_mul` (each checked against the CPU on
+/// its own), and writes nothing past its output.
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn gemv_silu_mul_is_gemv_then_silu_and_mul() {
@@ -77,22 +79,28 @@ fn gemv_silu_mul_is_gemv_then_silu_and_mul() {
             let (xd, wd) = (c.upload(&x), c.upload(&w));
             let mut gate_up = c.poisoned(2 * d);
             c.ops
-                .gemv_with_rows(&xd, &wd, &mut gate_up, (1, k, 2 * d), 1)
+                .gemv_with_rows(&xd, &wd, &mut gate_up, (1, k, 2 * d), 1, 0)
                 .unwrap();
             let mut unfused = c.poisoned(d);
             c.ops.silu_and_mul(&gate_up, &mut unfused, 1, d).unwrap();
-            let mut fused = c.poisoned(d + 1);
-            c.ops.gemv_silu_mul(&xd, &wd, &mut fused, k, d).unwrap();
-            let (want, got) = (c.download(&unfused, d), c.download(&fused, d + 1));
-            let what = format!("gemv_silu_mul {dtype:?} k={k} d={d}");
+            let want = c.download(&unfused, d);
             assert!(
                 want.iter().all(|v| v.is_finite()),
-                "{what}: unfused path not finite"
+                "gemv_silu_mul {dtype:?} k={k} d={d}: unfused path not finite"
             );
-            for (j, (a, b)) in got[..d].iter().zip(&want).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "{what}: output {j}: {a} vs {b}");
+            for split in [false, true] {
+                let mut fused = c.poisoned(d + 1);
+                // With early L2 hints for every line of w, which change no value.
+                c.ops
+                    .gemv_silu_mul(&xd, &wd, &mut fused, (k, d), split, 1 << 30)
+                    .unwrap();
+                let got = c.download(&fused, d + 1);
+                let what = format!("gemv_silu_mul {dtype:?} k={k} d={d} split {split}");
+                for (j, (a, b)) in got[..d].iter().zip(&want).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{what}: output {j}: {a} vs {b}");
+                }
+                assert!(got[d].is_nan(), "{what}: wrote past its output");
             }
-            assert!(got[d].is_nan(), "{what}: wrote past its output");
         }
     }
 }

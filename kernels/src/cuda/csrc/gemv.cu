@@ -8,6 +8,12 @@
 //
 // Contract (checked by the host, gemv.rs): k is a multiple of VEC16, and x, w and out
 // start 16-byte aligned.
+//
+// `early_lines`: the first 128-byte lines of each of its rows of w a warp asks L2 for
+// before its PDL wait (0: none). Weights are no kernel's output, so a gemv that follows a
+// collective (whose few blocks wait on the peers while HBM idles) can stream part of its
+// weights meanwhile; behind a kernel that streams memory itself, it only competes
+// (docs/BENCHMARKS.md), so the host asks for it after all-reduces only.
 
 #define GEMV_WARPS 8
 constexpr int GEMV_UNROLL = 4;
@@ -77,13 +83,21 @@ __device__ __forceinline__ void gemv_dots(const scalar_t* __restrict__ x,
     }
 }
 
+// The first `lines` 128-byte lines of each row in `wr` into L2 (a hint), a lane a line.
+template <int R>
+__device__ __forceinline__ void prefetch_rows(const uint4* (&wr)[R], int lines) {
+    for (int l = threadIdx.x & 31; l < lines; l += 32) {
+#pragma unroll
+        for (int r = 0; r < R; r++) prefetch_l2(wr[r] + 8 * l);
+    }
+}
+
 template <int M, int R>
 __device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
                                      const scalar_t* __restrict__ w,
-                                     scalar_t* __restrict__ out, int k, int n) {
-    pdl_enter();
+                                     scalar_t* __restrict__ out, int k, int n,
+                                     int early_lines) {
     const long long row0 = ((long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
-    if (row0 >= n) return;
     // Rows past n (the last warp of an odd n) re-read the last row and are not written.
     const uint4* wr[R];
 #pragma unroll
@@ -91,6 +105,9 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
         const long long row = row0 + r < n ? row0 + r : n - 1;
         wr[r] = reinterpret_cast<const uint4*>(w + row * k);
     }
+    if (row0 < n) prefetch_rows(wr, early_lines);
+    pdl_enter();
+    if (row0 >= n) return;
     float acc[M][R];
     gemv_dots<M, R>(x, wr, k, acc);
     if ((threadIdx.x & 31) != 0) return;
@@ -107,8 +124,8 @@ __device__ __forceinline__ void gemv(const scalar_t* __restrict__ x,
 #define GEMV_KERNEL(M, R)                                                                   \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                           \
         gemv_m##M##_r##R(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,    \
-                         scalar_t* __restrict__ out, int k, int n) {                        \
-        gemv<M, R>(x, w, out, k, n);                                                        \
+                         scalar_t* __restrict__ out, int k, int n, int early_lines) {       \
+        gemv<M, R>(x, w, out, k, n, early_lines);                                           \
     }
 #define GEMV_KERNELS(M) GEMV_KERNEL(M, 1) GEMV_KERNEL(M, 2)
 GEMV_KERNELS(1)
@@ -127,16 +144,46 @@ GEMV_KERNELS(8)
 // gemv_m1 followed by silu_and_mul, one launch and one round trip of [1, 2d] fewer.
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     gemv_silu_mul_m1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
-                     scalar_t* __restrict__ out, int k, int d) {
-    pdl_enter();
+                     scalar_t* __restrict__ out, int k, int d, int early_lines) {
     const long long j = (long long)blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (j >= d) return;
     const uint4* wr[2] = {reinterpret_cast<const uint4*>(w + j * k),
                           reinterpret_cast<const uint4*>(w + (d + j) * k)};
+    if (j < d) prefetch_rows(wr, early_lines);
+    pdl_enter();
+    if (j >= d) return;
     float acc[1][2];
     gemv_dots<1, 2>(x, wr, k, acc);
     if ((threadIdx.x & 31) != 0) return;
     const float g = round_t(acc[0][0]);
     const float u = round_t(acc[0][1]);
     out[j] = from_f32(round_t(g / (1.f + expf(-g))) * u);
+}
+
+// gemv_silu_mul_m1 with the gate and up rows of an output in two warps of one block
+// instead of one warp: each warp streams one row, as gemv_m1_r1 does, and the two sums
+// meet in shared memory. A block of GEMV_WARPS warps makes GEMV_WARPS / 2 outputs. The
+// same bits as gemv_silu_mul_m1 (each row's sum is gemv_dots<1, 1>'s, in the same order).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_silu_mul_split_m1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
+                           scalar_t* __restrict__ out, int k, int d, int early_lines) {
+    constexpr int PAIRS = GEMV_WARPS / 2;
+    __shared__ float sums[GEMV_WARPS];
+    const int warp = threadIdx.x >> 5, pair = warp % PAIRS;
+    const long long j0 = (long long)blockIdx.x * PAIRS;
+    // Outputs past d (the last block) re-read the last row and are not written; every
+    // warp still reaches the barrier.
+    const long long j = j0 + pair < d ? j0 + pair : d - 1;
+    const long long row = warp < PAIRS ? j : d + j;
+    const uint4* wr[1] = {reinterpret_cast<const uint4*>(w + row * k)};
+    prefetch_rows(wr, early_lines);
+    pdl_enter();
+    float acc[1][1];
+    gemv_dots<1, 1>(x, wr, k, acc);
+    if ((threadIdx.x & 31) == 0) sums[warp] = acc[0][0];
+    __syncthreads();
+    if (threadIdx.x < PAIRS && j0 + threadIdx.x < d) {
+        const float g = round_t(sums[threadIdx.x]);
+        const float u = round_t(sums[PAIRS + threadIdx.x]);
+        out[j0 + threadIdx.x] = from_f32(round_t(g / (1.f + expf(-g))) * u);
+    }
 }

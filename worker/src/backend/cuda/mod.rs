@@ -7,6 +7,7 @@
 //! host-visible metadata (positions, slots, block tables) are checked on the host before a
 //! launch, so bad input is an error rather than a stray memory access.
 
+pub mod gate_up;
 pub mod kernel_cache;
 pub mod memory;
 pub mod pending_step;
@@ -26,6 +27,7 @@ use vllm_kernels::cuda::{
     Gemm, TuningCounts, GEMV_PAYS_MAX_M, THIN_GEMM_MAX_M,
 };
 
+use gate_up::{GateUpChoices, GateUpKernel};
 use step_buffers::StepBuffers;
 pub use tensor::{CudaInts, CudaTensor, DevicePlan};
 
@@ -38,6 +40,11 @@ use crate::weights::{DummyRegion, HostTensor, WeightTensor};
 /// Rows whose products go to our decode-batch GEMM (`thin_gemm`, on Hopper): gemv takes
 /// fewer, cuBLAS more (docs/BENCHMARKS.md, "Decode GEMMs on warpgroup tensor cores").
 const THIN_GEMM_ROWS: std::ops::RangeInclusive<usize> = (GEMV_PAYS_MAX_M + 1)..=THIN_GEMM_MAX_M;
+
+/// Bytes of its weights a gemv after a collective asks L2 for before it waits for the
+/// collective to end. On four H200s 8 MiB took the Qwen3-8B's TP=4 TPOT from 2.08 to
+/// 2.06 ms, and 16, 25 or 40 MiB less (docs/BENCHMARKS.md, 2026-11-26).
+const EARLY_L2_BYTES: usize = 8 << 20;
 
 /// CUDA devices the driver reports; 0 without a driver (`--device auto`).
 pub fn device_count() -> usize {
@@ -72,6 +79,12 @@ pub struct CudaBackend {
     unseeded_draws: Cell<u64>,
     /// The tensor-parallel group; `None` at world size 1.
     comm: Option<NcclCommunicator>,
+    /// Whether a collective was launched since the last linear layer: the next gemv then
+    /// asks L2 for EARLY_L2_BYTES of its weights while the collective's few blocks wait on
+    /// the peers (gemv.cu, `early_lines`).
+    after_collective: Cell<bool>,
+    /// The one-row gate/up kernel of each shape timed so far.
+    gate_up: GateUpChoices,
     /// Where steps are staged, once `reserve_steps` has sized them.
     steps: RefCell<Option<StepSetup>>,
 }
@@ -98,6 +111,8 @@ impl CudaBackend {
             attention: AttentionKernels::flash(dtype != DType::F32),
             unseeded_draws: Cell::new(0),
             comm: None,
+            after_collective: Cell::new(false),
+            gate_up: GateUpChoices::default(),
             steps: RefCell::new(None),
         })
     }
@@ -211,6 +226,51 @@ fn check_block_tables(
 }
 
 impl CudaBackend {
+    /// `Backend::linear`, a gemv asking L2 for `early_l2` bytes of w before it waits.
+    fn linear_early(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        bias: Option<&CudaTensor>,
+        early_l2: usize,
+    ) -> Result<CudaTensor> {
+        let (m, k, n) = (x.rows(), x.cols(), w.rows());
+        ensure!(
+            w.cols() == k,
+            "linear: x has {k} columns, weight {:?}",
+            w.shape
+        );
+        let mut out = self.tensor(vec![m, n])?;
+        // Decode batches stream the weights through our own kernels; cuBLAS takes the rest
+        // (docs/BENCHMARKS.md, "Thin GEMMs").
+        if THIN_GEMM_ROWS.contains(&m)
+            && self.ops.thin_gemm_fits([&x.buf, &w.buf, &out.buf], m, k, n)
+        {
+            self.ops
+                .thin_gemm(&x.buf, &w.buf, &mut out.buf, (m, k, n), None)?;
+        } else if m <= GEMV_PAYS_MAX_M && self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
+            self.ops
+                .gemv(&x.buf, &w.buf, &mut out.buf, (m, k, n), early_l2)?;
+        } else {
+            self.gemm.linear(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
+        }
+        if let Some(b) = bias {
+            ensure!(b.numel() == n, "linear: bias {:?} for {n} outputs", b.shape);
+            self.ops.add_bias(&mut out.buf, &b.buf, m, n)?;
+        }
+        Ok(out)
+    }
+
+    /// EARLY_L2_BYTES if a collective came since the last linear layer, else 0; either
+    /// way the next linear layer starts afresh.
+    fn take_early_l2(&self) -> usize {
+        if self.after_collective.replace(false) {
+            EARLY_L2_BYTES
+        } else {
+            0
+        }
+    }
+
     /// A tensor of `shape` from bytes already in the backend's dtype (at least one element
     /// is allocated: empty buffers are not allocatable).
     fn upload_bytes(&self, shape: &[usize], bytes: &[u8]) -> Result<CudaTensor> {
@@ -415,30 +475,8 @@ impl Backend for CudaBackend {
         w: &CudaTensor,
         bias: Option<&CudaTensor>,
     ) -> Result<CudaTensor> {
-        let (m, k, n) = (x.rows(), x.cols(), w.rows());
-        ensure!(
-            w.cols() == k,
-            "linear: x has {k} columns, weight {:?}",
-            w.shape
-        );
-        let mut out = self.tensor(vec![m, n])?;
-        // Decode batches stream the weights through our own kernels; cuBLAS takes the rest
-        // (docs/BENCHMARKS.md, "Thin GEMMs").
-        if THIN_GEMM_ROWS.contains(&m)
-            && self.ops.thin_gemm_fits([&x.buf, &w.buf, &out.buf], m, k, n)
-        {
-            self.ops
-                .thin_gemm(&x.buf, &w.buf, &mut out.buf, (m, k, n), None)?;
-        } else if m <= GEMV_PAYS_MAX_M && self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
-            self.ops.gemv(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
-        } else {
-            self.gemm.linear(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
-        }
-        if let Some(b) = bias {
-            ensure!(b.numel() == n, "linear: bias {:?} for {n} outputs", b.shape);
-            self.ops.add_bias(&mut out.buf, &b.buf, m, n)?;
-        }
-        Ok(out)
+        let early_l2 = self.take_early_l2();
+        self.linear_early(x, w, bias, early_l2)
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
@@ -609,6 +647,7 @@ impl Backend for CudaBackend {
             "linear_silu_and_mul: x has {k} columns, gate/up weight {:?}",
             w.shape
         );
+        let early_l2 = self.take_early_l2();
         // Decode batches fuse the activation into the GEMM's epilogue (gemv at one row,
         // thin_gemm from two); the output is allocated only then (inside a captured graph
         // an unused one is two more nodes).
@@ -623,13 +662,24 @@ impl Backend for CudaBackend {
                 return Ok(out);
             }
         } else if m <= GEMV_PAYS_MAX_M {
-            let mut out = self.tensor(vec![m, d])?;
-            if self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
-                self.ops.gemv_silu_mul(&x.buf, &w.buf, &mut out.buf, k, d)?;
-                return Ok(out);
+            let kernel = self.gate_up_kernel(x, w, (k, d))?;
+            if kernel != GateUpKernel::Unfused {
+                let mut out = self.tensor(vec![m, d])?;
+                if self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
+                    let split = kernel == GateUpKernel::Split;
+                    self.ops.gemv_silu_mul(
+                        &x.buf,
+                        &w.buf,
+                        &mut out.buf,
+                        (k, d),
+                        split,
+                        early_l2,
+                    )?;
+                    return Ok(out);
+                }
             }
         }
-        self.silu_and_mul(&self.linear(x, w, None)?)
+        self.silu_and_mul(&self.linear_early(x, w, None, early_l2)?)
     }
 
     fn gather_rows(&self, x: &CudaTensor, indices: &CudaInts) -> Result<CudaTensor> {
@@ -649,7 +699,10 @@ impl Backend for CudaBackend {
 
     fn all_reduce(&self, x: &mut CudaTensor) -> Result<()> {
         match &self.comm {
-            Some(c) => c.all_reduce(x),
+            Some(c) => {
+                self.after_collective.set(true);
+                c.all_reduce(x)
+            }
             None => Ok(()),
         }
     }
@@ -664,6 +717,7 @@ impl Backend for CudaBackend {
         if let Some(c) = &self.comm {
             residual_norm_shape(x, residual, weight)?;
             if c.all_reduce_add_rms_norm(x, residual, weight, eps)? {
+                self.after_collective.set(true);
                 return Ok(());
             }
         }

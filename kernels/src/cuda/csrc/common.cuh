@@ -57,6 +57,16 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// A 16-byte chunk read once (a gemv's weights, greedy sampling's logits): not kept in L1,
+// which keeps what is read again (a gemv's x). Read-only for the kernel's whole run.
+__device__ __forceinline__ uint4 load_streamed(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 // Brings the 128-byte line holding p into L2 (a hint: no value, no fault). Pays only in a
 // kernel of a few rows (a batch-1 step's chain of short kernels): with hundreds of blocks
 // prefetching the same lines it made them slower.

@@ -18,15 +18,6 @@
 #define GEMV_WARPS 8
 constexpr int GEMV_UNROLL = 4;
 
-// A 16-byte chunk of weights: read once, so not kept in L1.
-__device__ __forceinline__ uint4 load_streamed(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
 // acc[m][r] += x[m, chunk c] . w[row r, chunk c]
 template <int M, int R>
 __device__ __forceinline__ void gemv_chunk(const uint4 (&wv)[R], const uint4* __restrict__ xv,

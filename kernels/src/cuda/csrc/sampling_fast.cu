@@ -91,14 +91,17 @@ __device__ __forceinline__ int vector_token(int lo, int k) {
 
 // This thread's 16-byte vectors of [lo, hi): threads interleave in vectors, so that a
 // warp's loads are coalesced, all issued before the first use (none past hi: the row is
-// whole vectors).
-template <int N>
+// whole vectors). STREAMED: past L1 (`load_streamed`).
+template <int N, bool STREAMED = false>
 __device__ __forceinline__ void load_vectors(const scalar_t* __restrict__ x, int lo, int hi,
                                              uint4 (&raw)[N]) {
 #pragma unroll
     for (int k = 0; k < N; ++k) {
         const int t0 = vector_token(lo, k);
-        raw[k] = t0 < hi ? *(const uint4*)(x + t0) : make_uint4(0u, 0u, 0u, 0u);
+        const uint4* v = reinterpret_cast<const uint4*>(x + t0);
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        if (STREAMED) raw[k] = t0 < hi ? load_streamed(v) : zero;
+        else raw[k] = t0 < hi ? *v : zero;
     }
 }
 
@@ -171,7 +174,7 @@ __device__ __forceinline__ void block_chunk_argmax(const ChunkTokens<N>& visit, 
 // The tokens of chunk `chunk` of `row`, chunks of N vectors a thread. Where the rows are
 // whole, aligned vectors, its vectors are loaded into `raw` here, or by the caller later
 // when not `load`.
-template <int N = FAST_PER>
+template <int N = FAST_PER, bool STREAMED = false>
 __device__ __forceinline__ ChunkTokens<N> chunk_tokens(const scalar_t* __restrict__ logits,
                                                       int vocab, int row, int chunk,
                                                       uint4 (&raw)[N], bool load = true) {
@@ -179,7 +182,7 @@ __device__ __forceinline__ ChunkTokens<N> chunk_tokens(const scalar_t* __restric
     const scalar_t* x = logits + (long long)row * vocab;
     const int lo = chunk * len, hi = min(vocab, lo + len);
     const bool vec = vocab % FAST_VEC == 0 && aligned16(logits) && blockDim.x == FAST_THREADS;
-    if (vec && load) load_vectors(x, lo, hi, raw);
+    if (vec && load) load_vectors<N, STREAMED>(x, lo, hi, raw);
     return ChunkTokens<N>{raw, x, lo, hi, vec};
 }
 
@@ -563,7 +566,11 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
     uint4 regs[MAX_PER];
-    const ChunkTokens<MAX_PER> visit = chunk_tokens<MAX_PER>(logits, vocab, row, chunk, regs);
+    // Past L1: 30.9 -> 30.1 µs at 256 rows on the H100. `sample_fast_max_draw` keeps plain
+    // loads: past L1 with an L2 256-byte hint it ran 88.8 -> 91.0 µs (docs/BENCHMARKS.md,
+    // 2026-11-26; past L1 alone is untried there).
+    const ChunkTokens<MAX_PER> visit =
+        chunk_tokens<MAX_PER, true>(logits, vocab, row, chunk, regs);
     if (params[row].path != PATH_FAST) return;
     float best;
     int best_id;

@@ -237,15 +237,51 @@ fn diff(a: &[f32], b: &[f32]) -> Diff {
 /// The random model of `preset` (seed 0, as `vllm-rs make-tiny-model --preset` writes
 /// it) under the temp folder, written once and shared by the tests and the GPU round.
 fn model_dir(preset: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join("vllm-rs-models").join(preset);
+    model_dir_in(&std::env::temp_dir().join("vllm-rs-models"), preset)
+}
+
+/// `model_dir` under `root`. Tests that run at once may each write the model: each writes
+/// a folder of its own and renames it into place, and the first rename wins (a folder that
+/// is there already is never removed while another test may read it).
+fn model_dir_in(root: &Path, preset: &str) -> std::path::PathBuf {
+    let dir = root.join(preset);
     if !dir.join("config.json").is_file() {
-        let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+        let writer = format!("{}-{:?}", std::process::id(), std::thread::current().id());
+        let tmp = dir.with_extension(format!("tmp{}", writer.replace(['(', ')'], "")));
         let spec = TinyModelSpec::preset(preset).unwrap();
         write_tiny_model(&tmp, &spec).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::rename(&tmp, &dir).unwrap();
+        if std::fs::rename(&tmp, &dir).is_err() {
+            if !dir.join("config.json").is_file() {
+                // A stale folder of an interrupted run, not another writer's model.
+                std::fs::remove_dir_all(&dir).unwrap();
+                std::fs::rename(&tmp, &dir).unwrap();
+            } else {
+                std::fs::remove_dir_all(&tmp).unwrap();
+            }
+        }
     }
     dir
+}
+
+/// Tests writing the same model at once all get it whole (a GPU run without
+/// `--test-threads=1` once failed three graph tests here).
+#[test]
+fn concurrent_writers_of_a_model_each_get_it_whole() {
+    let root = std::env::temp_dir().join(format!("vllm-rs-model-dir-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let dirs: Vec<_> = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| model_dir_in(&root, "tiny-qwen3")))
+            .collect();
+        writers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    for dir in &dirs {
+        ModelConfig::from_model_dir(dir).unwrap();
+        assert_eq!(dir, &root.join("tiny-qwen3"));
+    }
+    let left: Vec<_> = std::fs::read_dir(&root).unwrap().collect();
+    assert_eq!(left.len(), 1, "temporary folders left behind: {left:?}");
+    std::fs::remove_dir_all(&root).unwrap();
 }
 
 mod collectives;

@@ -18,7 +18,7 @@ extern "C" __global__ void silu_and_mul(const scalar_t* __restrict__ x,
             unpack16(row[j], g);
             unpack16(row[dv + j], u);
 #pragma unroll
-            for (int e = 0; e < VEC16; e++) g[e] = round_t(g[e] / (1.f + expf(-g[e]))) * u[e];
+            for (int e = 0; e < VEC16; e++) g[e] = silu_mul(g[e], u[e]);
             reinterpret_cast<uint4*>(out)[i] = pack16(g);
         }
         return;
@@ -29,6 +29,6 @@ extern "C" __global__ void silu_and_mul(const scalar_t* __restrict__ x,
         const int j = (int)(i - r * d);
         const float g = to_f32(x[r * 2 * d + j]);
         const float u = to_f32(x[r * 2 * d + d + j]);
-        out[i] = from_f32(round_t(g / (1.f + expf(-g))) * u);
+        out[i] = from_f32(silu_mul(g, u));
     }
 }

@@ -79,6 +79,14 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // intermediate in bf16, we round the same value the same way.
 __device__ __forceinline__ float round_t(float x) { return to_f32(from_f32(x)); }
 
+// silu(g) * u as PyTorch's `act(gate) * up` computes it in the dtype: silu rounded to the
+// dtype before the multiply (the product is rounded where the caller stores it). The
+// activation and every GEMM epilogue that fuses it (gemv, thin_gemm) share it, so that
+// the fused kernels stay bit for bit silu_and_mul.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+    return round_t(g / (1.f + expf(-g))) * u;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

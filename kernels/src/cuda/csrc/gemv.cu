@@ -147,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if ((threadIdx.x & 31) != 0) return;
     const float g = round_t(acc[0][0]);
     const float u = round_t(acc[0][1]);
-    out[j] = from_f32(round_t(g / (1.f + expf(-g))) * u);
+    out[j] = from_f32(silu_mul(g, u));
 }
 
 // gemv_silu_mul_m1 with the gate and up rows of an output in two warps of one block
@@ -175,6 +175,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     if (threadIdx.x < PAIRS && j0 + threadIdx.x < d) {
         const float g = round_t(sums[threadIdx.x]);
         const float u = round_t(sums[PAIRS + threadIdx.x]);
-        out[j0 + threadIdx.x] = from_f32(round_t(g / (1.f + expf(-g))) * u);
+        out[j0 + threadIdx.x] = from_f32(silu_mul(g, u));
     }
 }

@@ -178,10 +178,8 @@ __device__ __forceinline__ void tg_write_rows(const ThinGemmArgs& a, const float
             const int d = a.n / 2, col = tile * H + c;
             if (col >= d) continue;
             const float2 g = tg_tile_sum2(sc, r, c, splits), u = tg_tile_sum2(sc, r, H + c, splits);
-            a.out[(long long)r * d + col] = from_f32(round_t(g.x / (1.f + expf(-g.x))) * u.x);
-            if (col + 1 < d)
-                a.out[(long long)r * d + col + 1] =
-                    from_f32(round_t(g.y / (1.f + expf(-g.y))) * u.y);
+            a.out[(long long)r * d + col] = from_f32(silu_mul(g.x, u.x));
+            if (col + 1 < d) a.out[(long long)r * d + col + 1] = from_f32(silu_mul(g.y, u.y));
         }
     }
 }

@@ -49,19 +49,28 @@ impl CudaBackend {
         if !self.gemm.is_tuning() {
             return Ok(GateUpKernel::Fused);
         }
+        let kernel = self.time_gate_up(x, w, (k, d))?;
+        self.gate_up.0.borrow_mut().insert((k, d), kernel);
+        Ok(kernel)
+    }
+
+    /// The fastest of the three for this shape; the fused kernel where the gemv kernels do
+    /// not take the operands (the caller then runs the unfused pair on cuBLAS) or there is
+    /// no room for the eviction buffer.
+    fn time_gate_up(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        (k, d): (usize, usize),
+    ) -> Result<GateUpKernel> {
         let (mut out, mut gate_up) = (self.tensor(vec![1, d])?, self.tensor(vec![1, 2 * d])?);
         if !self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], 1, k) {
             return Ok(GateUpKernel::Fused);
         }
-        // Outside the capture arena: a buffer of warm-up only. Without room for it the
-        // shape keeps the fused kernel.
+        // Outside the capture arena: a buffer of warm-up only.
         let evict_elems = 2 * self.dev.l2_bytes / self.dtype.size();
         let Ok(mut evict) = self.ops.alloc_zeros(evict_elems) else {
             tracing::debug!(k, d, "no room to time a gate/up shape: fused");
-            self.gate_up
-                .0
-                .borrow_mut()
-                .insert((k, d), GateUpKernel::Fused);
             return Ok(GateUpKernel::Fused);
         };
         let stream = &self.dev.stream;
@@ -91,6 +100,7 @@ impl CudaBackend {
         .into_iter()
         .min_by(|a, b| a.0.total_cmp(&b.0))
         .map_or(GateUpKernel::Fused, |(_, kernel)| kernel);
+        // Each time includes the eviction's write, the same in all three.
         tracing::debug!(
             k,
             d,
@@ -100,7 +110,6 @@ impl CudaBackend {
             ?kernel,
             "timed a gate/up shape"
         );
-        self.gate_up.0.borrow_mut().insert((k, d), kernel);
         Ok(kernel)
     }
 }

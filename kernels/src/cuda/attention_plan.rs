@@ -442,6 +442,10 @@ mod tests {
         assert!(p.decode_partition < DEC_PARTITION);
         assert_eq!(p.decode_partitions, 8000usize.div_ceil(p.decode_partition));
         assert_eq!(p.decode_smem_partition, p.decode_partition);
+        // At one kv head, hundreds of partitions, more than any fixed grid has
+        // (`cuda_kernels paged_attention_matches_cpu` runs this step).
+        let p = AttentionPlan::new(&[0, 1, 6], &[9001, 5], 8, 1, 132, FLASH).unwrap();
+        assert_eq!((p.decode_partition, p.decode_partitions), (32, 282));
         // A batch that fills every SM several times runs each sequence in one block.
         let qsl = decodes_and_a_prefill(256);
         let lens = |n: i32| [vec![n; 256], vec![4]].concat();

@@ -172,6 +172,9 @@ fn paged_attention_matches_cpu() {
         attention_case(&c, &mut r, &[(700, 1)], 32, 8, 128, 16);
         attention_case(&c, &mut r, &[(300, 1)], 64, 8, 128, 16);
         attention_case(&c, &mut r, &[(200, 1)], 8, 8, 32, 5);
+        // A long decode beside a prefill at one kv head: hundreds of 32-key partitions
+        // to combine, more than any fixed grid has.
+        attention_case(&c, &mut r, &[(9000, 1), (0, 5)], 8, 1, 64, 16);
         // A group of 16: decodes fall back to tiles.
         attention_case(&c, &mut r, &[(50, 1), (10, 30)], 16, 1, 64, 16);
     }

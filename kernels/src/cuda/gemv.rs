@@ -15,6 +15,14 @@ pub const GEMV_MAX_M: usize = 8;
 pub const GEMV_PAYS_MAX_M: usize = 1;
 /// Warps per block (`GEMV_WARPS` of gemv.cu).
 const GEMV_WARPS: usize = 8;
+/// 16-byte loads a lane has in flight (`GEMV_UNROLL`).
+const GEMV_UNROLL: usize = 4;
+/// Warps an SM below which a one-row product splits each row over more warps. On four
+/// H200s (`cuda_bench tp_rank_gemvs`, docs/BENCHMARKS.md 2026-11-26) the Qwen3-8B's TP=4
+/// qkv (1,536 rows, 12 warps an SM) went from 5.6 to 5.4 µs over two warps a row, and its
+/// TPOT from 2.05 to 2.02 ms; at 24 its TP=2 qkv (3,072 rows) split too and lost (8.0
+/// against 8.7 µs), and at 48 the TPOT lost (2.07).
+const GEMV_MIN_WARPS_PER_SM: usize = 16;
 /// The span L2 fetches for a prefetch hint (`prefetch_l2`).
 const L2_LINE: usize = 128;
 
@@ -24,6 +32,21 @@ const L2_LINE: usize = 128;
 fn early_lines(early_l2: usize, rows: usize, row_bytes: usize) -> Result<i32> {
     let lines = (early_l2 / rows.max(1) / L2_LINE).min(row_bytes.div_ceil(L2_LINE));
     i32_of(lines, "early lines")
+}
+
+/// Warps each row of a one-row product (`k` elements, `vec` to 16 bytes) is split over: 1,
+/// 2 or 4, doubled while the `n` rows leave fewer than `GEMV_MIN_WARPS_PER_SM` warps an SM
+/// and each warp keeps at least one whole unrolled step of loads. A rule of the shape and
+/// the GPU alone, so that eager steps and CUDA graphs run the same kernel and give the
+/// same bits (the gate/up kernels are timed per shape only because all three give the
+/// same bits).
+fn gemv_k_parts(k: usize, n: usize, vec: usize, num_sms: usize) -> usize {
+    let steps = k / (vec * 32 * GEMV_UNROLL);
+    let mut parts = 1;
+    while parts < 4 && n * parts < GEMV_MIN_WARPS_PER_SM * num_sms && steps >= 2 * parts {
+        parts *= 2;
+    }
+    parts
 }
 
 impl CudaOps {
@@ -45,8 +68,52 @@ impl CudaOps {
         (m, k, n): (usize, usize, usize),
         early_l2: usize,
     ) -> Result<()> {
+        let vec = self.dtype.vec16();
+        let parts = if m == 1 {
+            gemv_k_parts(k, n, vec, self.num_sms)
+        } else {
+            1
+        };
+        if parts > 1 {
+            return self.gemv_split_k(x, w, out, (k, n), parts, early_l2);
+        }
         let rows_per_warp = self.gemv_rows_per_warp(m, n);
         self.gemv_with_rows(x, w, out, (m, k, n), rows_per_warp, early_l2)
+    }
+
+    /// `gemv` of one row with each row of w split over `parts` (2 or 4) warps, which sum
+    /// their parts in a fixed order (so the bits depend on `parts`; `gemv` picks it by
+    /// shape).
+    pub fn gemv_split_k(
+        &self,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        (k, n): (usize, usize),
+        parts: usize,
+        early_l2: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        ensure!(
+            self.gemv_fits([x, w, out], 1, k),
+            "gemv: [1x{k}]·[{n}x{k}]ᵀ is not a thin aligned product"
+        );
+        let func = match parts {
+            2 => &self.f.gemv_split_k[0],
+            4 => &self.f.gemv_split_k[1],
+            _ => anyhow::bail!("gemv: k split over {parts} warps"),
+        };
+        self.check(x, k, "gemv x")?;
+        self.check(w, n * k, "gemv w")?;
+        self.check(out, n, "gemv out")?;
+        let (ki, ni) = (i32_of(k, "k")?, i32_of(n, "n")?);
+        let early = early_lines(early_l2, n, k * self.dtype.size())?;
+        let cfg = rows_cfg(n.div_ceil(GEMV_WARPS / parts), (GEMV_WARPS * 32) as u32);
+        // SAFETY: sizes and alignment checked above; the kernel reads x [1, k] and
+        // w [n, k] (its prefetch hints stay within its part of a row) and writes out [1, n].
+        launch!(unsafe self, func => "gemv", cfg; x, w, out, &ki, &ni, &early)
     }
 
     /// Rows of w per warp: two halve the reads of x, which matter from four rows of x on,
@@ -61,7 +128,8 @@ impl CudaOps {
     }
 
     /// `out [1, d] = silu(x · w[..d]ᵀ) * (x · w[d..]ᵀ)` for one row of x and the fused
-    /// gate/up weight `w [2d, k]`: bit for bit `gemv` then `silu_and_mul`, in one launch.
+    /// gate/up weight `w [2d, k]`: bit for bit `gemv_with_rows` at a row a warp, then
+    /// `silu_and_mul`, in one launch.
     /// An output's gate and up rows are streamed by one warp, or by two (`split`); which
     /// is faster depends on the shape (the caller times them). `early_l2` as for `gemv`.
     pub fn gemv_silu_mul(
@@ -130,5 +198,27 @@ impl CudaOps {
         // w [n, k] (its prefetch hints stay within a row) and writes out [m, n].
         launch!(unsafe self, &self.f.gemv[m - 1][rows_per_warp - 1] => "gemv", cfg;
             x, w, out, &ki, &ni, &early)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemv_k_parts;
+
+    #[test]
+    fn only_products_of_few_long_rows_split_their_rows() {
+        // bf16 on 132 SMs: Qwen3-8B's TP=4 qkv (1,536 rows) over two warps a row; its TP=2
+        // qkv (3,072 rows) and the 70B's TP=4 qkv (2,560) keep one.
+        assert_eq!(gemv_k_parts(4096, 1536, 8, 132), 2);
+        assert_eq!(gemv_k_parts(4096, 3072, 8, 132), 1);
+        assert_eq!(gemv_k_parts(8192, 2560, 8, 132), 1);
+        // Qwen3-0.6B's o and down (1,024 rows): rows of two unrolled steps split in two.
+        assert_eq!(gemv_k_parts(2048, 1024, 8, 132), 2);
+        assert_eq!(gemv_k_parts(3072, 1024, 8, 132), 2);
+        // Few rows but short ones (one step a warp) and very few long ones.
+        assert_eq!(gemv_k_parts(1024, 1024, 8, 132), 1);
+        assert_eq!(gemv_k_parts(8192, 256, 8, 132), 4);
+        // f32 rows of as many elements take twice the steps: four warps a row.
+        assert_eq!(gemv_k_parts(2048, 1024, 4, 132), 4);
     }
 }

@@ -35,6 +35,8 @@ pub struct Functions<F = CudaFunction> {
     /// w per warp).
     pub gemv: [[F; 2]; 8],
     /// The gate/up product fused with SiLU-and-mul, one row of x.
+    /// `gemv_m1_k{S}`, indexed by log2(S) - 1 (each row's k split over S = 2 or 4 warps).
+    pub gemv_split_k: [F; 2],
     pub gemv_silu_mul_m1: F,
     pub gemv_silu_mul_split_m1: F,
     /// Indexed by head size (`HEAD_DIMS`).
@@ -89,6 +91,7 @@ impl<F> Functions<F> {
             gemv: family([1, 2, 3, 4, 5, 6, 7, 8], |m| {
                 family([1, 2], |r| f(&format!("gemv_m{m}_r{r}")))
             })?,
+            gemv_split_k: family([2, 4], |s| f(&format!("gemv_m1_k{s}")))?,
             gemv_silu_mul_m1: f("gemv_silu_mul_m1")?,
             gemv_silu_mul_split_m1: f("gemv_silu_mul_split_m1")?,
             paged_attention: family(HEAD_DIMS, |d| f(&format!("paged_attention_d{d}")))?,

@@ -163,6 +163,15 @@ fn gemv_table<S: std::fmt::Display>(models: &[(S, [GemmShape; 5])], ms: &[usize]
                     });
                     report(&format!("{what} gemv r{rows_per_warp}"), t, bytes);
                 }
+                if m == 1 {
+                    for parts in [2, 4] {
+                        let t = time_graph(&dev, 40, || {
+                            ops.gemv_split_k(&x, next(), &mut out, (k, n), parts, 0)
+                                .unwrap()
+                        });
+                        report(&format!("{what} gemv k/{parts}"), t, bytes);
+                    }
+                }
                 let picked = time_graph(&dev, 40, || {
                     ops.gemv(&x, next(), &mut out, (m, k, n), 0).unwrap()
                 });

@@ -15,6 +15,14 @@ fn gemv_matches_cpu() {
         let c = Ctx::new(&g, dtype);
         let vec = 16 / dtype.size();
         let mut r = Lcg(11);
+        // f32 sums on both sides in different orders, one rounding of O(1) outputs.
+        let t = match dtype {
+            DType::F32 => Tol {
+                abs: 1e-5,
+                rel: 1e-5,
+            },
+            _ => tol(dtype, 1.0),
+        };
         for (k, n) in [
             (1024, 4096),
             (2048, 1024),
@@ -37,18 +45,24 @@ fn gemv_matches_cpu() {
                         .unwrap();
                     let got = c.download(&out, (m + 1) * n);
                     let what = format!("gemv m={m} k={k} n={n} r={rows_per_warp} early {early_l2}");
-                    // f32 sums on both sides in different orders, one rounding of O(1)
-                    // outputs.
-                    let t = match dtype {
-                        DType::F32 => Tol {
-                            abs: 1e-5,
-                            rel: 1e-5,
-                        },
-                        _ => tol(dtype, 1.0),
-                    };
                     assert_close(&what, dtype, &got[..m * n], &want, t);
                     assert!(
                         got[m * n..].iter().all(|v| v.is_nan()),
+                        "{what}: wrote past its output"
+                    );
+                }
+                // One row with each row of w split over 2 or 4 warps.
+                let split_cases = [(2, 0), (4, 0), (2, 1 << 30), (4, 1 << 30)];
+                for (parts, early_l2) in split_cases.into_iter().filter(|_| m == 1) {
+                    let mut out = c.poisoned(2 * n);
+                    c.ops
+                        .gemv_split_k(&xd, &wd, &mut out, (k, n), parts, early_l2)
+                        .unwrap();
+                    let got = c.download(&out, 2 * n);
+                    let what = format!("gemv k={k} n={n} split over {parts} early {early_l2}");
+                    assert_close(&what, dtype, &got[..n], &want, t);
+                    assert!(
+                        got[n..].iter().all(|v| v.is_nan()),
                         "{what}: wrote past its output"
                     );
                 }

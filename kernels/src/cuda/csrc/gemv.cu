@@ -128,6 +128,51 @@ GEMV_KERNELS(6)
 GEMV_KERNELS(7)
 GEMV_KERNELS(8)
 
+// gemv_m1_r1 with each row's k split over S consecutive warps of a block, which meet in
+// shared memory (summed in part order, so a row's bits depend on S only). A warp reads its
+// row in steps of four 16-byte loads a lane, each step a round trip, so a product of few
+// long rows (the 8B's TP=4 qkv: 1,536 rows of 4,096, 12 warps an SM, four steps each)
+// keeps too few bytes in flight; S times the warps, each with an S-th of the steps, keep
+// more. A block of GEMV_WARPS warps makes GEMV_WARPS / S rows. The host picks S (gemv.rs).
+template <int S>
+__device__ __forceinline__ void gemv_split_k(const scalar_t* __restrict__ x,
+                                             const scalar_t* __restrict__ w,
+                                             scalar_t* __restrict__ out, int k, int n,
+                                             int early_lines) {
+    constexpr int ROWS = GEMV_WARPS / S;
+    __shared__ float sums[GEMV_WARPS];
+    const int warp = threadIdx.x >> 5, part = warp % S;
+    const long long row0 = (long long)blockIdx.x * ROWS;
+    // Rows past n (the last block) re-read the last row and are not written; every warp
+    // still reaches the barrier.
+    const long long row = min(row0 + warp / S, (long long)n - 1);
+    const int chunks = k / VEC16;
+    const int c0 = part * chunks / S, c1 = (part + 1) * chunks / S;
+    const uint4* wr[1] = {reinterpret_cast<const uint4*>(w + row * k) + c0};
+    // The row's first `early_lines` lines, of which this part holds those past c0.
+    prefetch_rows(wr, max(0, min(early_lines - c0 / 8, (c1 - c0 + 7) / 8)));
+    pdl_enter();
+    float acc[1][1];
+    gemv_dots<1, 1>(x + (long long)c0 * VEC16, wr, (c1 - c0) * VEC16, acc);
+    if ((threadIdx.x & 31) == 0) sums[warp] = acc[0][0];
+    __syncthreads();
+    if (threadIdx.x < ROWS && row0 + threadIdx.x < n) {
+        float sum = 0.f;
+#pragma unroll
+        for (int p = 0; p < S; ++p) sum += sums[threadIdx.x * S + p];
+        out[row0 + threadIdx.x] = from_f32(sum);
+    }
+}
+
+#define GEMV_SPLIT_K_KERNEL(S)                                                              \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                           \
+        gemv_m1_k##S(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,        \
+                     scalar_t* __restrict__ out, int k, int n, int early_lines) {           \
+        gemv_split_k<S>(x, w, out, k, n, early_lines);                                      \
+    }
+GEMV_SPLIT_K_KERNEL(2)
+GEMV_SPLIT_K_KERNEL(4)
+
 // The MLP's gate/up product fused with SiLU-and-mul for one row of x:
 // out[j] = silu(x . w[j]) * (x . w[d + j]) for the fused weight w [2d, k]. One warp per
 // output reads its gate and up rows together. Both products are rounded to the dtype

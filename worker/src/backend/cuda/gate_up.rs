@@ -26,7 +26,7 @@ pub enum GateUpKernel {
     Fused,
     /// `gemv_silu_mul`, an output's gate and up rows in two warps.
     Split,
-    /// `gemv`, then `silu_and_mul`.
+    /// `gemv` (a warp a row, as the fused kernels sum), then `silu_and_mul`.
     Unfused,
 }
 
@@ -89,7 +89,7 @@ impl CudaBackend {
         let (fused_us, split_us) = (fused(false)?, fused(true)?);
         let unfused_us = time(&mut || {
             self.ops
-                .gemv(&x.buf, &w.buf, &mut gate_up.buf, (1, k, 2 * d), 0)?;
+                .gemv_with_rows(&x.buf, &w.buf, &mut gate_up.buf, (1, k, 2 * d), 1, 0)?;
             self.ops.silu_and_mul(&gate_up.buf, &mut out.buf, 1, d)
         })?;
         let kernel = [

@@ -663,20 +663,21 @@ impl Backend for CudaBackend {
             }
         } else if m <= GEMV_PAYS_MAX_M {
             let kernel = self.gate_up_kernel(x, w, (k, d))?;
-            if kernel != GateUpKernel::Unfused {
-                let mut out = self.tensor(vec![m, d])?;
-                if self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
-                    let split = kernel == GateUpKernel::Split;
-                    self.ops.gemv_silu_mul(
-                        &x.buf,
-                        &w.buf,
-                        &mut out.buf,
-                        (k, d),
-                        split,
-                        early_l2,
-                    )?;
-                    return Ok(out);
+            let unfused = kernel == GateUpKernel::Unfused;
+            let mut out = self.tensor(vec![m, if unfused { 2 * d } else { d }])?;
+            if self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], m, k) {
+                if unfused {
+                    // A warp a row, never k split over warps: the fused kernels' sums, so
+                    // that the three give the same bits.
+                    let shape = (m, k, 2 * d);
+                    self.ops
+                        .gemv_with_rows(&x.buf, &w.buf, &mut out.buf, shape, 1, early_l2)?;
+                    return self.silu_and_mul(&out);
                 }
+                let split = kernel == GateUpKernel::Split;
+                self.ops
+                    .gemv_silu_mul(&x.buf, &w.buf, &mut out.buf, (k, d), split, early_l2)?;
+                return Ok(out);
             }
         }
         self.silu_and_mul(&self.linear_early(x, w, None, early_l2)?)

@@ -34,9 +34,9 @@ pub struct Functions<F = CudaFunction> {
     /// `gemv_m{M}_r{R}`, indexed by M - 1 (1..=8 rows of x), then R - 1 (1 or 2 rows of
     /// w per warp).
     pub gemv: [[F; 2]; 8],
-    /// The gate/up product fused with SiLU-and-mul, one row of x.
     /// `gemv_m1_k{S}`, indexed by log2(S) - 1 (each row's k split over S = 2 or 4 warps).
     pub gemv_split_k: [F; 2],
+    /// The gate/up product fused with SiLU-and-mul, one row of x.
     pub gemv_silu_mul_m1: F,
     pub gemv_silu_mul_split_m1: F,
     /// Indexed by head size (`HEAD_DIMS`).

@@ -57,6 +57,33 @@ impl CudaOps {
         (1..=GEMV_MAX_M).contains(&m) && k.is_multiple_of(vec) && self.aligned16(&bufs)
     }
 
+    /// What every gemv kernel's launch checks, for x [m, k], w [w_rows, k] and an output
+    /// of `out_elems`: a product `gemv_fits` takes, each buffer large enough. Returns k and
+    /// the early L2 lines (`early_lines`) as the kernels take them.
+    fn gemv_checked(
+        &self,
+        what: &str,
+        [x, w, out]: [&CudaSlice<u8>; 3],
+        (m, k, w_rows): (usize, usize, usize),
+        out_elems: usize,
+        early_l2: usize,
+    ) -> Result<(i32, i32)> {
+        ensure!(
+            self.gemv_fits([x, w, out], m, k),
+            "{what}: [{m}x{k}]·[{w_rows}x{k}]ᵀ is not a thin aligned product"
+        );
+        for (buf, elems, name) in [
+            (x, m * k, "x"),
+            (w, w_rows * k, "w"),
+            (out, out_elems, "out"),
+        ] {
+            self.check(buf, elems, what)
+                .map_err(|e| anyhow::anyhow!("{e} ({name})"))?;
+        }
+        let early = early_lines(early_l2, w_rows, k * self.dtype.size())?;
+        Ok((i32_of(k, "k")?, early))
+    }
+
     /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `gemv_fits` takes. About
     /// `early_l2` bytes of w are asked of L2 before the kernel waits for the one before it
     /// (gemv.cu, `early_lines`; 0 for none).
@@ -96,20 +123,13 @@ impl CudaOps {
         if n == 0 {
             return Ok(());
         }
-        ensure!(
-            self.gemv_fits([x, w, out], 1, k),
-            "gemv: [1x{k}]·[{n}x{k}]ᵀ is not a thin aligned product"
-        );
         let func = match parts {
             2 => &self.f.gemv_split_k[0],
             4 => &self.f.gemv_split_k[1],
             _ => anyhow::bail!("gemv: k split over {parts} warps"),
         };
-        self.check(x, k, "gemv x")?;
-        self.check(w, n * k, "gemv w")?;
-        self.check(out, n, "gemv out")?;
-        let (ki, ni) = (i32_of(k, "k")?, i32_of(n, "n")?);
-        let early = early_lines(early_l2, n, k * self.dtype.size())?;
+        let (ki, early) = self.gemv_checked("gemv", [x, w, out], (1, k, n), n, early_l2)?;
+        let ni = i32_of(n, "n")?;
         let cfg = rows_cfg(n.div_ceil(GEMV_WARPS / parts), (GEMV_WARPS * 32) as u32);
         // SAFETY: sizes and alignment checked above; the kernel reads x [1, k] and
         // w [n, k] (its prefetch hints stay within its part of a row) and writes out [1, n].
@@ -144,16 +164,9 @@ impl CudaOps {
         if d == 0 {
             return Ok(());
         }
-        ensure!(
-            self.gemv_fits([x, w, out], 1, k),
-            "gemv_silu_mul: [1x{k}]·[{}x{k}]ᵀ is not a thin aligned product",
-            2 * d
-        );
-        self.check(x, k, "gemv_silu_mul x")?;
-        self.check(w, 2 * d * k, "gemv_silu_mul w")?;
-        self.check(out, d, "gemv_silu_mul out")?;
-        let (ki, di) = (i32_of(k, "k")?, i32_of(d, "d")?);
-        let early = early_lines(early_l2, 2 * d, k * self.dtype.size())?;
+        let (ki, early) =
+            self.gemv_checked("gemv_silu_mul", [x, w, out], (1, k, 2 * d), d, early_l2)?;
+        let di = i32_of(d, "d")?;
         let (func, outputs_per_block) = if split {
             (&self.f.gemv_silu_mul_split_m1, GEMV_WARPS / 2)
         } else {
@@ -180,18 +193,11 @@ impl CudaOps {
             return Ok(());
         }
         ensure!(
-            self.gemv_fits([x, w, out], m, k),
-            "gemv: [{m}x{k}]·[{n}x{k}]ᵀ is not a thin aligned product"
-        );
-        ensure!(
             (1..=2).contains(&rows_per_warp),
             "gemv: {rows_per_warp} rows per warp"
         );
-        self.check(x, m * k, "gemv x")?;
-        self.check(w, n * k, "gemv w")?;
-        self.check(out, m * n, "gemv out")?;
-        let (ki, ni) = (i32_of(k, "k")?, i32_of(n, "n")?);
-        let early = early_lines(early_l2, n, k * self.dtype.size())?;
+        let (ki, early) = self.gemv_checked("gemv", [x, w, out], (m, k, n), m * n, early_l2)?;
+        let ni = i32_of(n, "n")?;
         let rows_per_block = GEMV_WARPS * rows_per_warp;
         let cfg = rows_cfg(n.div_ceil(rows_per_block), (GEMV_WARPS * 32) as u32);
         // SAFETY: sizes and alignment checked above; the kernel reads x [m, k] and

@@ -27,6 +27,11 @@ pub const CUSTOM_ALL_REDUCE_MAX_RANKS: usize = 8;
 const BLOCKS: u32 = 32;
 const THREADS: u32 = 512;
 const FLAG_BYTES: usize = BLOCKS as usize * CUSTOM_ALL_REDUCE_MAX_RANKS * 4;
+/// Outputs a rank's row lines hold (`CAR_ROW_LINES`): 8 bytes of lines each, which two
+/// 16-byte lines a chunk need at 4-byte outputs (f32), and twice that at 2-byte ones.
+const ROW_LINES: usize = 16384;
+/// Call counters: one a block, and the row lines' (`CAR_ROW_EPOCH`).
+const EPOCHS: usize = BLOCKS as usize + 1;
 
 /// `CarGroup` of custom_all_reduce.cu, field for field.
 #[repr(C)]
@@ -54,6 +59,19 @@ struct CustomAllReduceArgs {
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte fields, then an i32).
 unsafe impl ByValue for CustomAllReduceArgs {}
+
+/// `GemvAllReduceArgs` of custom_all_reduce.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GemvAllReduceArgs {
+    g: CarGroup,
+    x: u64,
+    w: u64,
+    k: i32,
+    n: i32,
+}
+// SAFETY: repr(C) plain data matching the CUDA struct (8-byte fields, then two i32).
+unsafe impl ByValue for GemvAllReduceArgs {}
 
 /// `CustomAllReduceNormArgs` of custom_all_reduce.cu.
 #[repr(C)]
@@ -194,11 +212,13 @@ pub enum CustomAllReduceSetup {
 pub struct CustomAllReduce {
     func: CudaFunction,
     func_norm: CudaFunction,
+    func_gemv_send: CudaFunction,
+    func_rows_norm: CudaFunction,
     dtype: DType,
     stream: Arc<CudaStream>,
     pdl: bool,
-    /// This rank's buffer: two staging slots of `slot_bytes`, the flags, then the
-    /// receive lines.
+    /// This rank's buffer: two staging slots of `slot_bytes`, the flags, the receive
+    /// lines, then the row lines.
     own: sys::CUdeviceptr,
     /// The peers' buffers opened from IPC handles (closed on drop).
     opened: Vec<sys::CUdeviceptr>,
@@ -303,15 +323,15 @@ impl CustomAllReduce {
             "custom all-reduce: rank {rank} of {world_size}"
         );
         let slot_bytes = max_bytes.next_multiple_of(16);
-        // Two call slots of every rank's lines: 16 bytes carry 8 of x.
-        let lines_bytes = 2 * world_size * 2 * CUSTOM_ALL_REDUCE_LL_MAX_BYTES;
+        // Two call slots of every rank's lines (16 bytes carry 8 of x), and of its row lines.
+        let lines_bytes = 2 * world_size * (2 * CUSTOM_ALL_REDUCE_LL_MAX_BYTES + 8 * ROW_LINES);
         let bytes = 2 * slot_bytes + FLAG_BYTES + lines_bytes;
         dev.ctx
             .bind_to_thread()
             .map_err(|e| driver_error("binding the context", e))?;
         let epochs = dev
             .stream
-            .alloc_zeros::<u32>(BLOCKS as usize)
+            .alloc_zeros::<u32>(EPOCHS)
             .map_err(|e| driver_error("allocating the all-reduce counters", e))?;
         let abort = Arc::new(AbortWord::new(&dev.ctx)?);
         let mut own = 0;
@@ -334,6 +354,8 @@ impl CustomAllReduce {
         let car = Self {
             func: ops.f.custom_all_reduce.clone(),
             func_norm: ops.f.custom_all_reduce_add_rms_norm.clone(),
+            func_gemv_send: ops.f.gemv_m1_all_reduce_send.clone(),
+            func_rows_norm: ops.f.custom_all_reduce_rows_add_rms_norm.clone(),
             dtype: ops.dtype,
             stream: ops.stream.clone(),
             pdl: ops.pdl,
@@ -460,16 +482,27 @@ impl CustomAllReduce {
 
     /// Launches `func` on the group's fixed grid.
     fn launch<A: ByValue>(&self, func: &CudaFunction, threads: u32, args: &A) -> Result<()> {
+        self.launch_grid(func, BLOCKS, threads, args)
+    }
+
+    /// Launches `func` on `blocks` blocks.
+    fn launch_grid<A: ByValue>(
+        &self,
+        func: &CudaFunction,
+        blocks: u32,
+        threads: u32,
+        args: &A,
+    ) -> Result<()> {
         let cfg = LaunchConfig {
-            grid_dim: (BLOCKS, 1, 1),
+            grid_dim: (blocks, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut kernel = KernelLaunch::new(&self.stream, func);
         kernel.arg(args);
         // SAFETY: the callers check every buffer against the sizes the kernel indexes;
-        // every rank's buffer holds two slots of `slot_bytes` and the flags, and `epochs`
-        // BLOCKS counters.
+        // every rank's buffer holds two slots of `slot_bytes`, the flags, the lines and
+        // the row lines, and `epochs` EPOCHS counters.
         unsafe { kernel.launch(cfg, self.pdl) }
             .map_err(|e| driver_error("launching the custom all-reduce", e))
     }
@@ -538,6 +571,78 @@ impl CustomAllReduce {
     }
 }
 
+/// One token's row-parallel projection and the norm after it, as
+/// `CustomAllReduce::gemv_add_rms_norm` takes them: `out [1, n] = x [1, k] · w [n, k]ᵀ`
+/// summed over the ranks, then `residual += out; out = rms_norm(residual) · weight`.
+pub struct GemvNorm<'a> {
+    pub x: &'a CudaSlice<u8>,
+    pub w: &'a CudaSlice<u8>,
+    pub k: usize,
+    pub n: usize,
+    pub residual: &'a mut CudaSlice<u8>,
+    pub weight: &'a CudaSlice<u8>,
+    pub eps: f32,
+}
+
+impl CustomAllReduce {
+    /// Whether `gemv_add_rms_norm` takes a product of `k` → `n` for one token: the one
+    /// warp a row gemv `ops.gemv` would run, and a row the row lines and the fused norm
+    /// hold.
+    pub fn fits_gemv_norm(&self, ops: &CudaOps, k: usize, n: usize) -> bool {
+        n <= ROW_LINES
+            && n.is_multiple_of(super::gemv::GEMV_WARPS)
+            && ops.gemv_one_warp_a_row(k, n)
+            && self.fits_norm(1, n)
+    }
+
+    /// `p`'s projection with its all-reduce, residual add and RMSNorm, into `out` [1, n]:
+    /// two kernels, the gemv sending each output to every rank as it is summed (the row
+    /// lines of custom_all_reduce.cu). The same bits as `ops.gemv` then
+    /// `all_reduce_add_rms_norm`.
+    pub fn gemv_add_rms_norm(
+        &self,
+        ops: &CudaOps,
+        p: GemvNorm<'_>,
+        out: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        let (k, n) = (p.k, p.n);
+        ensure!(
+            self.fits_gemv_norm(ops, k, n),
+            "custom all-reduce: a gemv of {k} -> {n} and its norm"
+        );
+        let (ki, _) = ops.gemv_checked("gemv + all-reduce", [p.x, p.w, out], (1, k, n), n, 0)?;
+        ensure!(
+            p.residual.len() >= n * self.dtype.size() && p.weight.len() >= n * self.dtype.size(),
+            "gemv + all-reduce + norm: residual or weight smaller than {n}"
+        );
+        let g = self.group()?;
+        let send = GemvAllReduceArgs {
+            g,
+            x: self.aligned(p.x, "x")?,
+            w: self.aligned(p.w, "w")?,
+            k: ki,
+            n: n as i32,
+        };
+        let blocks = n.div_ceil(super::gemv::GEMV_WARPS) as u32;
+        self.launch_grid(
+            &self.func_gemv_send,
+            blocks,
+            super::gemv::GEMV_THREADS,
+            &send,
+        )?;
+        let norm = CustomAllReduceNormArgs {
+            g,
+            x: self.aligned(out, "out")?,
+            residual: self.aligned(p.residual, "the residual")?,
+            weight: self.aligned(p.weight, "the weight")?,
+            rows: 1,
+            hidden: n as i32,
+            eps: p.eps,
+        };
+        self.launch_grid(&self.func_rows_norm, 1, norm_threads(n, self.dtype), &norm)
+    }
+}
+
 impl Drop for CustomAllReduce {
     fn drop(&mut self) {
         if self.stream.context().bind_to_thread().is_err() {
@@ -586,6 +691,10 @@ mod tests {
         assert_eq!(
             std::mem::size_of::<CustomAllReduceNormArgs>(),
             group + 3 * 8 + 3 * 4 + 4
+        );
+        assert_eq!(
+            std::mem::size_of::<GemvAllReduceArgs>(),
+            group + 2 * 8 + 2 * 4
         );
     }
 }

@@ -13,8 +13,9 @@ pub const GEMV_MAX_M: usize = 8;
 /// docs/BENCHMARKS.md "Thin GEMMs"): at one row it is 7–45% faster on every decode
 /// shape; at 2 and 4 rows the two tie, and at 8 cuBLAS wins by up to 50%.
 pub const GEMV_PAYS_MAX_M: usize = 1;
-/// Warps per block (`GEMV_WARPS` of gemv.cu).
-const GEMV_WARPS: usize = 8;
+/// Warps per block (`GEMV_WARPS` of gemv.cu), and their threads.
+pub(crate) const GEMV_WARPS: usize = 8;
+pub(crate) const GEMV_THREADS: u32 = (GEMV_WARPS * 32) as u32;
 /// 16-byte loads a lane has in flight (`GEMV_UNROLL`).
 const GEMV_UNROLL: usize = 4;
 /// Warps an SM below which a one-row product splits each row over more warps. On four
@@ -60,7 +61,7 @@ impl CudaOps {
     /// What every gemv kernel's launch checks, for x [m, k], w [w_rows, k] and an output
     /// of `out_elems`: a product `gemv_fits` takes, each buffer large enough. Returns k and
     /// the early L2 lines (`early_lines`) as the kernels take them.
-    fn gemv_checked(
+    pub(crate) fn gemv_checked(
         &self,
         what: &str,
         [x, w, out]: [&CudaSlice<u8>; 3],
@@ -82,6 +83,13 @@ impl CudaOps {
         }
         let early = early_lines(early_l2, w_rows, k * self.dtype.size())?;
         Ok((i32_of(k, "k")?, early))
+    }
+
+    /// Whether `gemv` runs a one-row product of `k` → `n` at one warp a row (`gemv_m1_r1`),
+    /// the kernel whose sums `gemv_m1_all_reduce_send` repeats.
+    pub(crate) fn gemv_one_warp_a_row(&self, k: usize, n: usize) -> bool {
+        let vec = self.dtype.vec16();
+        k.is_multiple_of(vec) && gemv_k_parts(k, n, vec, self.num_sms) == 1
     }
 
     /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `gemv_fits` takes. About
@@ -130,7 +138,7 @@ impl CudaOps {
         };
         let (ki, early) = self.gemv_checked("gemv", [x, w, out], (1, k, n), n, early_l2)?;
         let ni = i32_of(n, "n")?;
-        let cfg = rows_cfg(n.div_ceil(GEMV_WARPS / parts), (GEMV_WARPS * 32) as u32);
+        let cfg = rows_cfg(n.div_ceil(GEMV_WARPS / parts), GEMV_THREADS);
         // SAFETY: sizes and alignment checked above; the kernel reads x [1, k] and
         // w [n, k] (its prefetch hints stay within its part of a row) and writes out [1, n].
         launch!(unsafe self, func => "gemv", cfg; x, w, out, &ki, &ni, &early)
@@ -172,7 +180,7 @@ impl CudaOps {
         } else {
             (&self.f.gemv_silu_mul_m1, GEMV_WARPS)
         };
-        let cfg = rows_cfg(d.div_ceil(outputs_per_block), (GEMV_WARPS * 32) as u32);
+        let cfg = rows_cfg(d.div_ceil(outputs_per_block), GEMV_THREADS);
         // SAFETY: sizes and alignment checked above; the kernel reads x [1, k] and
         // w [2d, k] (its prefetch hints stay within a row) and writes out [1, d].
         launch!(unsafe self, func => "gemv_silu_mul", cfg;
@@ -199,7 +207,7 @@ impl CudaOps {
         let (ki, early) = self.gemv_checked("gemv", [x, w, out], (m, k, n), m * n, early_l2)?;
         let ni = i32_of(n, "n")?;
         let rows_per_block = GEMV_WARPS * rows_per_warp;
-        let cfg = rows_cfg(n.div_ceil(rows_per_block), (GEMV_WARPS * 32) as u32);
+        let cfg = rows_cfg(n.div_ceil(rows_per_block), GEMV_THREADS);
         // SAFETY: sizes and alignment checked above; the kernel reads x [m, k] and
         // w [n, k] (its prefetch hints stay within a row) and writes out [m, n].
         launch!(unsafe self, &self.f.gemv[m - 1][rows_per_warp - 1] => "gemv", cfg;

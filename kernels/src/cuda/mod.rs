@@ -28,7 +28,9 @@ pub mod thin_gemm;
 
 pub use attention_plan::{AttentionKernels, AttentionPlan};
 pub use capture_arena::{CaptureArena, DeviceBuf};
-pub use custom_all_reduce::{AbortWord, CustomAllReduce, CustomAllReduceSetup, LocalBuffer};
+pub use custom_all_reduce::{
+    AbortWord, CustomAllReduce, CustomAllReduceSetup, GemvNorm, LocalBuffer,
+};
 pub use device::CudaDevice;
 pub use dtype::DType;
 pub use gemm::Gemm;

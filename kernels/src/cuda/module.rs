@@ -59,6 +59,9 @@ pub struct Functions<F = CudaFunction> {
     /// The one-shot all-reduce over peer memory (custom_all_reduce.rs).
     pub custom_all_reduce: F,
     pub custom_all_reduce_add_rms_norm: F,
+    /// A one-token gemv that sends its outputs to the ranks, and their sum with the norm.
+    pub gemv_m1_all_reduce_send: F,
+    pub custom_all_reduce_rows_add_rms_norm: F,
 }
 
 /// `each` of `items`, in order, as an array: a family of kernels instantiated for each
@@ -126,6 +129,8 @@ impl<F> Functions<F> {
             sample_fast_draw_top: f("sample_fast_draw_top")?,
             custom_all_reduce: f("custom_all_reduce")?,
             custom_all_reduce_add_rms_norm: f("custom_all_reduce_add_rms_norm")?,
+            gemv_m1_all_reduce_send: f("gemv_m1_all_reduce_send")?,
+            custom_all_reduce_rows_add_rms_norm: f("custom_all_reduce_rows_add_rms_norm")?,
         })
     }
 }

@@ -222,6 +222,21 @@ pub trait Backend {
         self.all_reduce(x)?;
         self.fused_add_rms_norm(x, residual, weight, eps)
     }
+    /// `linear(x, w)` of a row-parallel projection, then `all_reduce_add_rms_norm` of it:
+    /// returns the normed sum. One token's product and sum are fused where the backend
+    /// can (the CUDA custom all-reduce: the gemv sends its outputs to the ranks).
+    fn linear_all_reduce_add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        residual: &mut Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        let mut y = self.linear(x, w, None)?;
+        self.all_reduce_add_rms_norm(&mut y, residual, weight, eps)?;
+        Ok(y)
+    }
     /// Each rank's [rows, cols] side by side in rank order: [rows, world_size · cols] (the
     /// vocab-parallel logits). Identity on world size 1.
     fn all_gather_cols(&self, x: Self::Tensor) -> Result<Self::Tensor>;

@@ -251,6 +251,21 @@ impl NcclCommunicator {
         Ok(true)
     }
 
+    /// The custom all-reduce, where it takes one token's `k` → `n` row-parallel projection
+    /// with the norm after it (`CustomAllReduce::gemv_add_rms_norm`).
+    pub fn custom_gemv_norm(
+        &self,
+        ops: &CudaOps,
+        k: usize,
+        n: usize,
+    ) -> Result<Option<&CustomAllReduce>> {
+        let Some(custom) = self.custom.as_ref().filter(|c| c.fits_gemv_norm(ops, k, n)) else {
+            return Ok(None);
+        };
+        self.live()?;
+        Ok(Some(custom))
+    }
+
     /// Whether small all-reduces take the custom kernel.
     pub fn custom_all_reduce_on(&self) -> bool {
         self.custom.is_some()

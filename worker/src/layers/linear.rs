@@ -2,12 +2,13 @@
 //!
 //! Column-parallel layers (`QKVParallelLinear`, `MergedColumnParallelLinear`) keep this
 //! rank's slice of output rows and need no communication. `RowParallelLinear` keeps a
-//! slice of input columns; its partial outputs are summed across ranks by the norm that
-//! follows it (`Backend::all_reduce_add_rms_norm`, one kernel where the backend fuses them).
-//! With tp size 1 every shard is the whole tensor.
+//! slice of input columns; its partial outputs are summed across ranks together with the
+//! residual add and norm that follow it (`Backend::linear_all_reduce_add_rms_norm`, fused
+//! where the backend can). With tp size 1 every shard is the whole tensor.
 
 use anyhow::{ensure, Result};
 
+use super::norm::RmsNorm;
 use super::var_builder::VarBuilder;
 use crate::backend::Backend;
 use crate::weights::WeightTensor;
@@ -127,9 +128,16 @@ impl<B: Backend> RowParallelLinear<B> {
         })
     }
 
-    /// This rank's partial output: the caller sums it over the ranks, with the norm that
-    /// follows (`RmsNorm::forward_reduce_residual`).
-    pub fn forward_partial(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        b.linear(x, &self.weight, None)
+    /// The projection summed over the ranks, then `residual += sum` and `norm(residual)`
+    /// (the norm that follows every row-parallel projection), which it returns.
+    pub fn forward_add_rms_norm(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        norm: &RmsNorm<B>,
+        residual: &mut B::Tensor,
+    ) -> Result<B::Tensor> {
+        let (weight, eps) = norm.weight_and_eps();
+        b.linear_all_reduce_add_rms_norm(x, &self.weight, residual, weight, eps)
     }
 }

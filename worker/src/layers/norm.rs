@@ -1,5 +1,5 @@
-//! RMSNorm with its weight: plain, fused with the tensor-parallel sum and the residual add,
-//! or per head (q/k norm).
+//! RMSNorm with its weight: plain, or fused into another op (the tensor-parallel sum and
+//! residual add after a row-parallel projection, per-head q/k norm).
 
 use anyhow::Result;
 
@@ -24,18 +24,8 @@ impl<B: Backend> RmsNorm<B> {
         b.rms_norm(x, &self.weight, self.eps)
     }
 
-    /// `x` summed over the tensor-parallel ranks (a row-parallel projection's partial
-    /// output), then `residual += x; x = norm(residual)`.
-    pub fn forward_reduce_residual(
-        &self,
-        b: &B,
-        x: &mut B::Tensor,
-        residual: &mut B::Tensor,
-    ) -> Result<()> {
-        b.all_reduce_add_rms_norm(x, residual, &self.weight, self.eps)
-    }
-
-    /// The weight and eps, for an op that fuses the norm (per-head q/k norm).
+    /// The weight and eps, for an op that fuses the norm (per-head q/k norm, the
+    /// all-reduce after a row-parallel projection).
     pub fn weight_and_eps(&self) -> (&B::Tensor, f32) {
         (&self.weight, self.eps)
     }

@@ -68,6 +68,7 @@ impl<B: Backend> LlamaAttention<B> {
         })
     }
 
+    /// The attention output, before o_proj (which the layer runs with the norm after it).
     fn forward(
         &self,
         b: &B,
@@ -94,8 +95,7 @@ impl<B: Backend> LlamaAttention<B> {
             &mut layer_cache.value,
             &meta.slot_mapping,
         )?;
-        let out = self.attn.forward(b, &q, layer_cache, &shape, meta)?;
-        self.o_proj.forward_partial(b, &out)
+        self.attn.forward(b, &q, layer_cache, &shape, meta)
     }
 }
 
@@ -114,9 +114,9 @@ impl<B: Backend> LlamaMlp<B> {
         })
     }
 
-    fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        let act = self.gate_up_proj.forward_silu_and_mul(b, x)?;
-        self.down_proj.forward_partial(b, &act)
+    /// `silu(gate) · up`, the input of down_proj (which runs with the norm after it).
+    fn activation(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        self.gate_up_proj.forward_silu_and_mul(b, x)
     }
 }
 
@@ -194,31 +194,28 @@ impl<B: Backend> LlamaForCausalLM<B> {
         cache: &mut KvCache<B>,
     ) -> Result<B::Tensor> {
         let mut residual = self.embed_tokens.forward(b, &meta.input_ids)?;
-        let mut x: Option<B::Tensor> = None;
+        // The last layer's MLP activation and the down_proj it still goes through, with
+        // the norm after it (the next layer's input_layernorm, or the final norm).
+        let mut pending: Option<(B::Tensor, &RowParallelLinear<B>)> = None;
         for (n, layer) in self.layers.iter().enumerate() {
-            let normed = match x.take() {
+            let normed = match pending.take() {
                 None => layer.input_layernorm.forward(b, &residual)?,
-                Some(mut h) => {
-                    layer
-                        .input_layernorm
-                        .forward_reduce_residual(b, &mut h, &mut residual)?;
-                    h
+                Some((act, down)) => {
+                    down.forward_add_rms_norm(b, &act, &layer.input_layernorm, &mut residual)?
                 }
             };
-            let mut h = layer
-                .self_attn
-                .forward(b, &normed, &self.rotary, cache, n, meta)?;
-            layer
-                .post_attention_layernorm
-                .forward_reduce_residual(b, &mut h, &mut residual)?;
-            x = Some(layer.mlp.forward(b, &h)?);
+            let attn = &layer.self_attn;
+            let out = attn.forward(b, &normed, &self.rotary, cache, n, meta)?;
+            let h = attn.o_proj.forward_add_rms_norm(
+                b,
+                &out,
+                &layer.post_attention_layernorm,
+                &mut residual,
+            )?;
+            pending = Some((layer.mlp.activation(b, &h)?, &layer.mlp.down_proj));
         }
-        match x {
-            Some(mut h) => {
-                self.norm
-                    .forward_reduce_residual(b, &mut h, &mut residual)?;
-                Ok(h)
-            }
+        match pending {
+            Some((act, down)) => down.forward_add_rms_norm(b, &act, &self.norm, &mut residual),
             None => self.norm.forward(b, &residual),
         }
     }

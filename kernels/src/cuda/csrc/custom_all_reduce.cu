@@ -31,17 +31,28 @@
 // `custom_all_reduce_add_rms_norm` is the same all-reduce (low-latency lines) fused with
 // the residual add and RMSNorm that follow every row-parallel projection
 // (fused_add_rms_norm of norm.cu, bit for bit): a block a row, saving the norm's launch.
+//
+// For one token the projection itself can send its outputs (row lines, below): each
+// block of `gemv_m1_all_reduce_send` stores its outputs into every rank's row lines as
+// soon as they are summed, and `custom_all_reduce_rows_add_rms_norm` sums, adds and norms
+// them. The projection's output never goes through this rank's memory first, and most of
+// it has crossed NVLink by the time the projection's grid ends.
 
 #define CAR_MAX_RANKS 8
 #define CAR_BLOCKS 32
 #define CAR_THREADS 512
+// The row lines' outputs (a row of at most this many), and their call counter: one past
+// the blocks' counters.
+#define CAR_ROW_LINES 16384
+#define CAR_ROW_EPOCH CAR_BLOCKS
 
 // The group: what every call of either kernel shares.
 struct CarGroup {
     const scalar_t* data[CAR_MAX_RANKS];  // every rank's two staging slots
     unsigned int* flags[CAR_MAX_RANKS];   // every rank's flags: [CAR_BLOCKS][CAR_MAX_RANKS]
-    uint4* lines[CAR_MAX_RANKS];          // every rank's receive lines: [2][world][ll_lines]
-    unsigned int* epochs;                 // this rank's [CAR_BLOCKS] call counters
+    uint4* lines[CAR_MAX_RANKS];          // every rank's receive lines: [2][world][ll_lines],
+                                          // then its row lines: [2][world][CAR_ROW_LINES / 2]
+    unsigned int* epochs;                 // this rank's [CAR_BLOCKS + 1] call counters
     const unsigned int* abort;            // host-mapped; nonzero: leave
     long long slot_chunks;                // 16-byte chunks of one staging slot
     long long ll_max_chunks;              // 16-byte chunks of x the lines hold
@@ -54,6 +65,14 @@ struct CustomAllReduceArgs {
     scalar_t* x;       // [n] this rank's x; the sum, in place
     long long chunks;  // 16-byte chunks of x
     int lines;         // nonzero: low-latency lines (chunks <= ll_max_chunks), else staged
+};
+
+struct GemvAllReduceArgs {
+    CarGroup g;
+    const scalar_t* x;  // [k] this rank's input
+    const scalar_t* w;  // [n, k] this rank's weight
+    int k;
+    int n;  // at most CAR_ROW_LINES
 };
 
 struct CustomAllReduceNormArgs {
@@ -135,11 +154,18 @@ __device__ __forceinline__ void add_rank(float (&acc)[VEC16], uint4 chunk, int r
 
 // ---- Low-latency lines ----
 
-// Where rank `dst` receives rank `src`'s line pair of chunk i in this call.
+// Where rank `dst` receives rank `src`'s line pair of chunk i in this call: in the lines,
+// or in the row lines (`rows`, below).
 __device__ __forceinline__ uint4* ll_at(const CarGroup& g, int dst, int src,
-                                        unsigned int epoch, long long i) {
+                                        unsigned int epoch, long long i, bool rows = false) {
     const long long lines = 2 * g.ll_max_chunks;
-    return g.lines[dst] + ((long long)(epoch & 1) * g.world_size + src) * lines + 2 * i;
+    uint4* base = g.lines[dst];
+    long long stride = lines;
+    if (rows) {
+        base += 2LL * g.world_size * lines;
+        stride = CAR_ROW_LINES / 2;  // 8 bytes an output: a chunk's two lines for any dtype
+    }
+    return base + ((long long)(epoch & 1) * g.world_size + src) * stride + 2 * i;
 }
 
 // Chunk v of x, sent to every rank as two lines tagged with the call number.
@@ -166,16 +192,28 @@ __device__ __forceinline__ uint2 ll_wait(const CarGroup& g, const uint4* p, unsi
 // Chunk i summed over the ranks in rank order, in f32, from this rank's lines. Each line
 // read is cleared, so that no line keeps a tag until its call number comes round again.
 __device__ __forceinline__ void ll_sum(const CarGroup& g, unsigned int epoch, long long i,
-                                       float (&acc)[VEC16]) {
+                                       float (&acc)[VEC16], bool rows = false) {
     const uint4 cleared = make_uint4(0u, 0u, 0u, 0u);
     for (int r = 0; r < g.world_size; ++r) {
-        uint4* p = ll_at(g, g.rank, r, epoch, i);
+        uint4* p = ll_at(g, g.rank, r, epoch, i, rows);
         const uint2 lo = ll_wait(g, p, epoch), hi = ll_wait(g, p + 1, epoch);
         store_volatile(p, cleared);
         store_volatile(p + 1, cleared);
         add_rank(acc, make_uint4(lo.x, lo.y, hi.x, hi.y), r);
     }
 }
+
+// ---- Row lines: a one-row gemv's outputs, sent as they are made ----
+//
+// The gemv's block of GEMV_WARPS outputs (a warp each) meets in shared memory and goes to
+// every rank as the lines above carry x: a 16-byte chunk as two lines tagged with the
+// call's number, here in a region of their own (`ll_at`'s `rows`). The sender and the
+// receiver of a call agree on its number through `epochs[CAR_ROW_EPOCH]`, which only the
+// receiver writes, at its end.
+//
+// Why a slot is free when a sender writes it: rank A's gemv of call e runs after A's
+// receiver of call e-1 has read rank B's lines of e-1, which B's gemv sent after its PDL
+// wait, so after B's receiver of e-2, the last reader of that slot on B, had completed.
 
 // ---- Staged buffers and a barrier ----
 
@@ -241,6 +279,65 @@ extern "C" __global__ void __launch_bounds__(CAR_THREADS)
         x[i] = pack16(acc);
     }
     car_end(a.g, epoch);
+}
+
+// gemv_m1_r1 (gemv.cu) whose blocks send their outputs to every rank's row lines instead
+// of writing them: the same sums, so the same bits. n is a multiple of GEMV_WARPS (the
+// host checks), so that a block's outputs are whole chunks. The call's number is read
+// before the PDL wait: its last writer, the receiver of the call before, completed
+// kernels ago (the kernel before this one has passed its own wait).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_m1_all_reduce_send(const GemvAllReduceArgs a) {
+    constexpr int CHUNKS = GEMV_WARPS / VEC16;
+    __shared__ uint4 outs[CHUNKS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long row0 = (long long)blockIdx.x * GEMV_WARPS;
+    const uint4* wr[1] = {reinterpret_cast<const uint4*>(a.w + (row0 + warp) * a.k)};
+    const unsigned int epoch = car_next(a.g.epochs[CAR_ROW_EPOCH]);
+    pdl_enter();
+    float acc[1][1];
+    gemv_dots<1, 1>(a.x, wr, a.k, acc);
+    if (lane == 0) reinterpret_cast<scalar_t*>(outs)[warp] = from_f32(acc[0][0]);
+    __syncthreads();
+    // Lane l of warp 0: line l % 2 of chunk l / 2 % CHUNKS to rank l / (2 CHUNKS).
+    if (warp == 0 && lane < 2 * CHUNKS * a.g.world_size) {
+        const int r = lane / (2 * CHUNKS), ch = lane / 2 % CHUNKS, half = lane % 2;
+        const uint4 v = outs[ch];
+        const uint4 line = half == 0 ? make_uint4(v.x, epoch, v.y, epoch)
+                                     : make_uint4(v.z, epoch, v.w, epoch);
+        store_volatile(ll_at(a.g, r, a.g.rank, epoch, row0 / VEC16 + ch, true) + half, line);
+    }
+}
+
+// The row lines' sum of one token, then `residual += sum; x = rms_norm(residual)`, as
+// custom_all_reduce_add_rms_norm (thread c: chunk c). It waits for the sender's grid like
+// any kernel: by then most lines have landed, sent while the sender's later blocks still
+// streamed their rows. (Not waiting, and polling the lines while the sender runs, was
+// slower where the receiver's block shares an SM with the sender's, docs/BENCHMARKS.md.)
+extern "C" __global__ void __launch_bounds__(1024)
+    custom_all_reduce_rows_add_rms_norm(const CustomAllReduceNormArgs a) {
+    pdl_enter();
+    __shared__ unsigned int s_epoch;
+    if (threadIdx.x == 0) s_epoch = car_next(a.g.epochs[CAR_ROW_EPOCH]);
+    __syncthreads();
+    const unsigned int epoch = s_epoch;
+    const int hc = a.hidden / VEC16, c = threadIdx.x;
+    const bool mine = c < hc;
+    uint4* residual = reinterpret_cast<uint4*>(a.residual);
+    float z[VEC16], ss = 0.f;
+    if (mine) {
+        float r[VEC16];
+        unpack16(residual[c], r);
+        ll_sum(a.g, epoch, c, z, true);
+#pragma unroll
+        for (int j = 0; j < VEC16; j++) {
+            z[j] = round_t(round_t(z[j]) + r[j]);
+            ss += z[j] * z[j];
+        }
+        residual[c] = pack16(z);
+    }
+    norm_chunk_out(z, ss, mine, a.hidden, a.eps, a.weight, a.x);
+    if (threadIdx.x == 0) a.g.epochs[CAR_ROW_EPOCH] = epoch;
 }
 
 // Row b in block b; thread c holds chunk c of the row, as fused_add_rms_norm's vectorised

@@ -24,7 +24,7 @@ use anyhow::{bail, ensure, Context, Result};
 use vllm_kernels::cpu::attention::PagedAttentionShape;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
-    Gemm, TuningCounts, GEMV_PAYS_MAX_M, THIN_GEMM_MAX_M,
+    Gemm, GemvNorm, TuningCounts, GEMV_PAYS_MAX_M, THIN_GEMM_MAX_M,
 };
 
 use gate_up::{GateUpChoices, GateUpKernel};
@@ -259,6 +259,47 @@ impl CudaBackend {
             self.ops.add_bias(&mut out.buf, &b.buf, m, n)?;
         }
         Ok(out)
+    }
+
+    /// `linear_all_reduce_add_rms_norm` of one token in the custom all-reduce's two
+    /// kernels (`CustomAllReduce::gemv_add_rms_norm`), where they take it; `None`: not run.
+    fn gemv_all_reduce_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        residual: &mut CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<Option<CudaTensor>> {
+        let (m, k, n) = (x.rows(), x.cols(), w.rows());
+        let Some(comm) = &self.comm else {
+            return Ok(None);
+        };
+        if m != 1 || w.cols() != k {
+            return Ok(None);
+        }
+        let Some(custom) = comm.custom_gemv_norm(&self.ops, k, n)? else {
+            return Ok(None);
+        };
+        let mut out = self.tensor(vec![1, n])?;
+        if !self.ops.gemv_fits([&x.buf, &w.buf, &out.buf], 1, k) {
+            return Ok(None);
+        }
+        residual_norm_shape(&out, residual, weight)?;
+        // This projection never follows a collective; the next one does.
+        self.take_early_l2();
+        let p = GemvNorm {
+            x: &x.buf,
+            w: &w.buf,
+            k,
+            n,
+            residual: &mut residual.buf,
+            weight: &weight.buf,
+            eps,
+        };
+        custom.gemv_add_rms_norm(&self.ops, p, &mut out.buf)?;
+        self.after_collective.set(true);
+        Ok(Some(out))
     }
 
     /// EARLY_L2_BYTES if a collective came since the last linear layer, else 0; either
@@ -724,6 +765,22 @@ impl Backend for CudaBackend {
         }
         self.all_reduce(x)?;
         self.fused_add_rms_norm(x, residual, weight, eps)
+    }
+
+    fn linear_all_reduce_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        residual: &mut CudaTensor,
+        weight: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        if let Some(out) = self.gemv_all_reduce_add_rms_norm(x, w, residual, weight, eps)? {
+            return Ok(out);
+        }
+        let mut y = self.linear(x, w, None)?;
+        self.all_reduce_add_rms_norm(&mut y, residual, weight, eps)?;
+        Ok(y)
     }
 
     fn all_gather_cols(&self, x: CudaTensor) -> Result<CudaTensor> {

@@ -375,6 +375,82 @@ fn custom_all_reduce_norm_equals_the_two_ops() {
     );
 }
 
+/// One token's row-parallel projection with its all-reduce and norm
+/// (`linear_all_reduce_add_rms_norm`: where the custom kernels take it, the gemv sends its
+/// outputs to the ranks) against the three ops (the gemv, the all-reduce, the norm), bit
+/// for bit. The calls alternate with the custom all-reduce's other calls and with shapes
+/// it does not take, over enough calls that both slots of the row lines come round twice.
+#[test]
+#[ignore = "needs 2 CUDA GPUs: scripts/gpu_round.sh runs it with --ignored"]
+fn gemv_all_reduce_norm_equals_the_three_ops() {
+    let Some(n) = gpus_for_collectives() else {
+        return;
+    };
+    // (rows of x, k, outputs, taken by the fused kernels): Qwen3-8B's TP=4 o_proj and
+    // down_proj, the 70B's TP=4 o_proj, a narrow model's; then shapes they do not take
+    // (rows split over warps; two tokens; a row past the fused norm).
+    let shapes = [
+        (1usize, 1024usize, 4096usize, true),
+        (1, 3072, 4096, true),
+        (1, 2048, 8192, true),
+        (1, 1024, 1024, true),
+        (1, 2048, 1024, false),
+        (2, 1024, 4096, false),
+        (1, 1024, 12288, false),
+    ];
+    let calls: Vec<_> = (0..3).flat_map(|_| shapes.iter().copied()).collect();
+    let results = on_gpus(n, CustomAllReduceMode::Auto, |rank, b| {
+        let comm = b.communicator().expect("joined");
+        let up = |v: Vec<f32>, shape: Vec<usize>| b.upload(&HostTensor::new(shape, v)).expect("up");
+        let host = |t: &CudaTensor| b.to_host(t).expect("down").data;
+        let mut out = Vec::new();
+        for (call, &(m, k, d, fused)) in calls.iter().enumerate() {
+            if m == 1 {
+                let taken = comm.custom_gemv_norm(&b.ops, k, d).expect("live").is_some();
+                assert_eq!(taken, fused, "{k} -> {d}: the fused kernels taken: {taken}");
+            }
+            // Each rank's own input and weight (its shard); the residual and the norm's
+            // weight are the same on every rank, as in the model.
+            let x = up(random_bf16(rank, call, m * k), vec![m, k]);
+            let w = up(random_bf16(300 + rank, call, d * k), vec![d, k]);
+            let res = random_bf16(100, call, m * d);
+            let nw = up(random_bf16(200, call, d), vec![d]);
+            let mut r1 = up(res.clone(), vec![m, d]);
+            let y1 = b
+                .linear_all_reduce_add_rms_norm(&x, &w, &mut r1, &nw, 1e-6)
+                .expect("fused");
+            let mut r2 = up(res, vec![m, d]);
+            let mut y2 = b.linear(&x, &w, None).expect("gemv");
+            comm.all_reduce(&mut y2).expect("all-reduce");
+            b.fused_add_rms_norm(&mut y2, &mut r2, &nw, 1e-6)
+                .expect("norm");
+            out.push([host(&y1), host(&r1), host(&y2), host(&r2)]);
+        }
+        out
+    });
+    for (call, &(m, k, d, _)) in calls.iter().enumerate() {
+        for (rank, r) in results.iter().enumerate() {
+            let [y1, r1, y2, r2] = &r[call];
+            let what = format!("call {call}, rank {rank}, [{m}x{k}] -> {d}");
+            assert!(
+                y1.iter().all(|v| v.is_finite()),
+                "{what}: non-finite output"
+            );
+            assert_eq!(bits_differ(y1, y2), 0, "{what}: normed sum differs");
+            assert_eq!(bits_differ(r1, r2), 0, "{what}: residual differs");
+            assert_eq!(
+                bits_differ(y1, &results[0][call][0]),
+                0,
+                "{what}: differs from rank 0"
+            );
+        }
+    }
+    println!(
+        "GEMV-ALLREDUCE-NORM-CHECK {n} GPUs: one token's projection, all-reduce and norm equal the three ops bit for bit ({} calls)",
+        calls.len()
+    );
+}
+
 /// Seconds a call of `f`, queued `iters` times after 20 warm-up calls.
 fn time_calls(b: &CudaBackend, iters: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..20 {
@@ -427,6 +503,18 @@ fn nccl_all_reduce_bench() {
                 });
                 out.push(("allreduce+norm", tokens, secs));
             }
+            // One token's o_proj of Qwen3-8B at TP=4 (1024 -> 4096) with the sum and the
+            // norm after it: the two kernels of `linear_all_reduce_add_rms_norm` where the
+            // custom all-reduce runs, the gemv and NCCL's sum and the norm where not.
+            let k = 1024;
+            let x = up(random_bf16(rank, 1, k), vec![1, k]);
+            let wo = up(random_bf16(300 + rank, 1, hidden * k), vec![hidden, k]);
+            let mut r = up(random_bf16(100, 1, hidden), vec![1, hidden]);
+            let secs = time_calls(b, 500, || {
+                b.linear_all_reduce_add_rms_norm(&x, &wo, &mut r, &w, 1e-6)
+                    .expect("gemv + all-reduce + norm");
+            });
+            out.push(("gemv+allreduce+norm", 1, secs));
             out
         });
         for (i, &(what, tokens, _)) in rows[0].iter().enumerate() {

@@ -85,11 +85,19 @@ impl CudaOps {
         Ok((i32_of(k, "k")?, early))
     }
 
+    /// Warps `gemv` splits each row of w over (`gemv_k_parts`; one row of x only).
+    fn gemv_parts(&self, m: usize, k: usize, n: usize) -> usize {
+        if m == 1 {
+            gemv_k_parts(k, n, self.dtype.vec16(), self.num_sms)
+        } else {
+            1
+        }
+    }
+
     /// Whether `gemv` runs a one-row product of `k` → `n` at one warp a row (`gemv_m1_r1`),
     /// the kernel whose sums `gemv_m1_all_reduce_send` repeats.
     pub(crate) fn gemv_one_warp_a_row(&self, k: usize, n: usize) -> bool {
-        let vec = self.dtype.vec16();
-        k.is_multiple_of(vec) && gemv_k_parts(k, n, vec, self.num_sms) == 1
+        k.is_multiple_of(self.dtype.vec16()) && self.gemv_parts(1, k, n) == 1
     }
 
     /// `out [m, n] = x [m, k] · w [n, k]ᵀ` for a product `gemv_fits` takes. About
@@ -103,12 +111,7 @@ impl CudaOps {
         (m, k, n): (usize, usize, usize),
         early_l2: usize,
     ) -> Result<()> {
-        let vec = self.dtype.vec16();
-        let parts = if m == 1 {
-            gemv_k_parts(k, n, vec, self.num_sms)
-        } else {
-            1
-        };
+        let parts = self.gemv_parts(m, k, n);
         if parts > 1 {
             return self.gemv_split_k(x, w, out, (k, n), parts, early_l2);
         }

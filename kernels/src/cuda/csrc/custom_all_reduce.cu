@@ -203,6 +203,28 @@ __device__ __forceinline__ void ll_sum(const CarGroup& g, unsigned int epoch, lo
     }
 }
 
+// Chunk i's sum over the ranks' lines (`rows`: the row lines), rounded to the dtype and
+// added to the residual's chunk `r_chunk` as a bf16 add is, stored back as the residual,
+// then the row normed into `dst` as fused_add_rms_norm's vectorised path does (the same
+// block size, so the same sums). The whole block; `mine`: this thread holds chunk i.
+__device__ __forceinline__ void ll_sum_add_rms_norm(const CustomAllReduceNormArgs& a,
+                                                    unsigned int epoch, long long i, bool mine,
+                                                    uint4 r_chunk, bool rows, scalar_t* dst) {
+    float z[VEC16], ss = 0.f;
+    if (mine) {
+        float r[VEC16];
+        unpack16(r_chunk, r);
+        ll_sum(a.g, epoch, i, z, rows);
+#pragma unroll
+        for (int j = 0; j < VEC16; j++) {
+            z[j] = round_t(round_t(z[j]) + r[j]);
+            ss += z[j] * z[j];
+        }
+        reinterpret_cast<uint4*>(a.residual)[i] = pack16(z);
+    }
+    norm_chunk_out(z, ss, mine, a.hidden, a.eps, a.weight, dst);
+}
+
 // ---- Row lines: a one-row gemv's outputs, sent as they are made ----
 //
 // The gemv's block of GEMV_WARPS outputs (a warp each) meets in shared memory and goes to
@@ -321,28 +343,16 @@ extern "C" __global__ void __launch_bounds__(1024)
     if (threadIdx.x == 0) s_epoch = car_next(a.g.epochs[CAR_ROW_EPOCH]);
     __syncthreads();
     const unsigned int epoch = s_epoch;
-    const int hc = a.hidden / VEC16, c = threadIdx.x;
-    const bool mine = c < hc;
-    uint4* residual = reinterpret_cast<uint4*>(a.residual);
-    float z[VEC16], ss = 0.f;
-    if (mine) {
-        float r[VEC16];
-        unpack16(residual[c], r);
-        ll_sum(a.g, epoch, c, z, true);
-#pragma unroll
-        for (int j = 0; j < VEC16; j++) {
-            z[j] = round_t(round_t(z[j]) + r[j]);
-            ss += z[j] * z[j];
-        }
-        residual[c] = pack16(z);
-    }
-    norm_chunk_out(z, ss, mine, a.hidden, a.eps, a.weight, a.x);
+    const int c = threadIdx.x;
+    const bool mine = c < a.hidden / VEC16;
+    const uint4 r_chunk =
+        mine ? reinterpret_cast<const uint4*>(a.residual)[c] : make_uint4(0u, 0u, 0u, 0u);
+    ll_sum_add_rms_norm(a, epoch, c, mine, r_chunk, true, a.x);
     if (threadIdx.x == 0) a.g.epochs[CAR_ROW_EPOCH] = epoch;
 }
 
-// Row b in block b; thread c holds chunk c of the row, as fused_add_rms_norm's vectorised
-// path does (the same block size, so the same sums). The residual and weight chunks load
-// while the peers' lines travel.
+// Row b in block b; thread c holds chunk c of the row (`ll_sum_add_rms_norm`). The
+// residual chunk loads while the peers' lines travel.
 extern "C" __global__ void __launch_bounds__(1024)
     custom_all_reduce_add_rms_norm(const CustomAllReduceNormArgs a) {
     pdl_enter();
@@ -350,27 +360,12 @@ extern "C" __global__ void __launch_bounds__(1024)
     const int row = blockIdx.x, hc = a.hidden / VEC16, c = threadIdx.x;
     const bool mine = row < a.rows && c < hc;
     const long long i = (long long)row * hc + c;
-    uint4* residual = reinterpret_cast<uint4*>(a.residual);
     uint4 r_chunk = make_uint4(0u, 0u, 0u, 0u);
     if (mine) {
         ll_send(a.g, epoch, i, reinterpret_cast<const uint4*>(a.x)[i]);
-        r_chunk = residual[i];
+        r_chunk = reinterpret_cast<const uint4*>(a.residual)[i];
     }
-    if (row < a.rows) {
-        float z[VEC16], ss = 0.f;
-        if (mine) {
-            float r[VEC16];
-            unpack16(r_chunk, r);
-            ll_sum(a.g, epoch, i, z);
-#pragma unroll
-            for (int j = 0; j < VEC16; j++) {
-                // The all-reduce's output is rounded to the dtype, then added as a bf16 add is.
-                z[j] = round_t(round_t(z[j]) + r[j]);
-                ss += z[j] * z[j];
-            }
-            residual[i] = pack16(z);
-        }
-        norm_chunk_out(z, ss, mine, a.hidden, a.eps, a.weight, a.x + (long long)row * a.hidden);
-    }
+    if (row < a.rows)
+        ll_sum_add_rms_norm(a, epoch, i, mine, r_chunk, false, a.x + (long long)row * a.hidden);
     car_end(a.g, epoch);
 }

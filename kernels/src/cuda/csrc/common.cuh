@@ -57,6 +57,22 @@ __device__ __forceinline__ void pdl_enter() {
 #endif
 }
 
+// *p = max(*p, v), no value returned (a `red`: the thread does not wait for it).
+__device__ __forceinline__ void red_max_u64(unsigned long long* p, unsigned long long v) {
+    asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// atomicAdd whose write releases this thread's earlier memory operations and whose read
+// acquires those released to it: a count between blocks without separate fences.
+__device__ __forceinline__ unsigned int atom_add_acq_rel(unsigned int* p, unsigned int v) {
+    unsigned int old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+                 : "=r"(old)
+                 : "l"(p), "r"(v)
+                 : "memory");
+    return old;
+}
+
 // A 16-byte chunk read once (a gemv's weights, greedy sampling's logits): not kept in L1,
 // which keeps what is read again (a gemv's x). Read-only for the kernel's whole run.
 __device__ __forceinline__ uint4 load_streamed(const uint4* p) {

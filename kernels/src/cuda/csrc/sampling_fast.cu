@@ -187,23 +187,23 @@ __device__ __forceinline__ ChunkTokens<N> chunk_tokens(const scalar_t* __restric
 }
 
 // One thread counts its block in to the row's `counter`: true for the row's last block,
-// which puts the counter back at 0 for the next launch. The caller fences its writes
-// before, and the last block its reads after.
+// which puts the counter back at 0 for the next launch. The count releases the thread's
+// earlier writes (and those a block barrier ordered before them), and in the last block
+// acquires every other block's: no separate fences (__threadfence() is sequentially
+// consistent, and cost greedy sampling 0.4 µs a launch on the H100).
 __device__ __forceinline__ bool counts_in_last(unsigned int* counter, int chunks) {
-    const bool last = atomicAdd(counter, 1u) == (unsigned int)chunks - 1;
+    const bool last = atom_add_acq_rel(counter, 1u) == (unsigned int)chunks - 1;
     if (last) *counter = 0;
     return last;
 }
 
-// True in every thread of the block that finishes its row last. Thread 0's earlier global
+// True in every thread of the block that finishes its row last. The block's earlier global
 // writes are visible to that block; `counter` is back at 0 for the next launch.
 __device__ bool last_block_of_row(unsigned int* counter, int chunks) {
     __shared__ bool last;
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = counts_in_last(counter, chunks);
     __syncthreads();
-    if (last) __threadfence();
     return last;
 }
 
@@ -576,11 +576,8 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     int best_id;
     block_chunk_argmax(visit, best, best_id);
     if (threadIdx.x != 0) return;
-    atomicMax(row_key + row, argmax_key(best, best_id));
-    // The key's update is visible before the count that lets the last block read it.
-    __threadfence();
+    red_max_u64(row_key + row, argmax_key(best, best_id));
     if (!counts_in_last(counters + row, chunks)) return;
-    __threadfence();
     float m;
     int id;
     key_argmax(atomicExch(row_key + row, 0ull), m, id);

@@ -16,31 +16,15 @@ pub(super) fn attention(dev: &CudaDevice, ops: &CudaOps) {
     let q = random(dev, SEQS * HQ * D, 3);
     let seq_lens = vec![(CONTEXT + 1) as i32; SEQS];
     let qsl: Vec<i32> = (0..=SEQS as i32).collect();
-    let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
-    let (bt, sl, ql) = (ints(&block_tables), ints(&seq_lens), ints(&qsl));
+    let bt = dev.stream.clone_htod(&block_tables).expect("upload");
     let bytes = (SEQS * (CONTEXT + 1) * HKV * D * 2 * 2) as f64;
     for (name, kernels) in [
         ("cuda-core", AttentionKernels::CUDA_CORE),
         ("flash", AttentionKernels::flash(true)),
     ] {
         let plan = AttentionPlan::new(&qsl, &seq_lens, HQ, HKV, ops.num_sms, kernels).unwrap();
-        let (ts, tt, ds, dp) = (
-            ints(&plan.tile_seq),
-            ints(&plan.tile_token),
-            ints(&plan.decode_seqs),
-            ints(&[plan.decode_partition as i32]),
-        );
-        let meta = AttentionMeta {
-            block_tables: &bt,
-            max_blocks_per_seq: blocks_per_seq,
-            seq_lens: &sl,
-            query_start_loc: &ql,
-            tile_seq: &ts,
-            tile_token: &tt,
-            decode_seqs: &ds,
-            decode_partition: &dp,
-            plan: &plan,
-        };
+        let inputs = PlanInputs::new(dev, &seq_lens, &qsl, &plan);
+        let meta = inputs.meta(&bt, blocks_per_seq, &plan);
         let dims = AttentionDims {
             num_tokens: SEQS,
             num_q_heads: HQ,
@@ -191,4 +175,89 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
             m.max(d)
         }
     })
+}
+
+/// Prefill attention (the tensor-core tiles of `paged_attention_prefill`): nanovllm-256's
+/// prefill step (14 prompts of 100–1,023 tokens, ~8,000), one long prompt, and a chunk
+/// after a cached prefix, at Qwen3-0.6B's and Qwen3-8B's heads (8 kv heads of 128). Each
+/// row prints µs a call, TFLOP/s (causal: 4·D FLOPs a q head and visible key), and the
+/// largest difference from the CUDA-core kernel's output (f32 math, unrounded P).
+///
+///   cuda_bench prefill_attention --ignored --nocapture
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_attention() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let nanovllm: Vec<(usize, usize)> = (0..14).map(|i| (100 + (i * 379) % 924, 0)).collect();
+    for (name, seqs) in [
+        ("14 prompts of 100-1,023", nanovllm),
+        ("1 prompt of 8,192", vec![(8192, 0)]),
+        ("2,048 after 6,144 cached", vec![(2048, 6144)]),
+    ] {
+        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+            prefill_row(&dev, &ops, &format!("{model} {name}"), hq, &seqs);
+        }
+    }
+}
+
+/// One `BENCH prefill_attention` row: sequences of (new tokens, cached tokens), their
+/// blocks spread over the cache.
+fn prefill_row(dev: &CudaDevice, ops: &CudaOps, what: &str, hq: usize, seqs: &[(usize, usize)]) {
+    let tokens: usize = seqs.iter().map(|&(n, _)| n).sum();
+    let seq_lens: Vec<i32> = seqs.iter().map(|&(n, c)| (n + c) as i32).collect();
+    let qsl: Vec<i32> = std::iter::once(0)
+        .chain(seqs.iter().scan(0, |t, &(n, _)| {
+            *t += n as i32;
+            Some(*t)
+        }))
+        .collect();
+    let max_blocks = seq_lens
+        .iter()
+        .map(|&l| (l as usize).div_ceil(BS))
+        .max()
+        .unwrap();
+    let num_blocks = seqs.len() * max_blocks;
+    let tables: Vec<i32> = (0..num_blocks)
+        .map(|i| ((i * 7919) % num_blocks) as i32)
+        .collect();
+    let kv = num_blocks * BS * HKV * D;
+    let (key_cache, value_cache) = (random(dev, kv, 1), random(dev, kv, 2));
+    let q = random(dev, tokens * hq * D, 3);
+    let bt = dev.stream.clone_htod(&tables).expect("upload");
+    let flops: f64 = seqs
+        .iter()
+        .map(|&(n, c)| (n * c + n * (n + 1) / 2) as f64 * (hq * D * 4) as f64)
+        .sum();
+    let dims = AttentionDims {
+        num_tokens: tokens,
+        num_q_heads: hq,
+        num_kv_heads: HKV,
+        head_dim: D,
+        block_size: BS,
+    };
+    let run = |kernels: AttentionKernels, iters: usize| {
+        let plan = AttentionPlan::new(&qsl, &seq_lens, hq, HKV, ops.num_sms, kernels).unwrap();
+        let inputs = PlanInputs::new(dev, &seq_lens, &qsl, &plan);
+        let meta = inputs.meta(&bt, max_blocks, &plan);
+        let mut out = ops.alloc(tokens * hq * D).unwrap();
+        let s = time(dev, iters, || {
+            ops.paged_attention(&q, &key_cache, &value_cache, &meta, dims, 0.088, &mut out)
+                .unwrap()
+        });
+        let bytes = dev.stream.clone_dtoh(&*out).expect("download");
+        (s, bytes)
+    };
+    let (s, out) = run(AttentionKernels::flash(true), 20);
+    let (_, reference) = run(AttentionKernels::CUDA_CORE, 1);
+    let diff = max_abs_diff(&DType::BF16.decode(&out), &DType::BF16.decode(&reference));
+    // The output's bits, to compare builds of the kernel.
+    let bits = out.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    println!(
+        "BENCH prefill_attention {what:<32} {tokens:>6} tokens {:>9.1} us {:>6.1} TFLOP/s max|diff| {diff:.2e} bits {bits:016x}",
+        s * 1e6,
+        flops / s / 1e12,
+    );
 }

@@ -13,6 +13,47 @@ pub(crate) struct PlanInputs {
     pub(crate) decode_partition: CudaSlice<i32>,
 }
 
+impl PlanInputs {
+    /// The inputs of `plan` over sequences of `seq_lens` keys whose query tokens start at
+    /// `query_start_loc`.
+    pub(crate) fn new(
+        dev: &CudaDevice,
+        seq_lens: &[i32],
+        query_start_loc: &[i32],
+        plan: &AttentionPlan,
+    ) -> Self {
+        let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
+        Self {
+            seq_lens: ints(seq_lens),
+            query_start_loc: ints(query_start_loc),
+            tile_seq: ints(&plan.tile_seq),
+            tile_token: ints(&plan.tile_token),
+            decode_seqs: ints(&plan.decode_seqs),
+            decode_partition: ints(&[plan.decode_partition as i32]),
+        }
+    }
+
+    /// The attention metadata of `plan` over the block tables `table`.
+    pub(crate) fn meta<'a>(
+        &'a self,
+        table: &'a CudaSlice<i32>,
+        max_blocks_per_seq: usize,
+        plan: &'a AttentionPlan,
+    ) -> AttentionMeta<'a> {
+        AttentionMeta {
+            block_tables: table,
+            max_blocks_per_seq,
+            seq_lens: &self.seq_lens,
+            query_start_loc: &self.query_start_loc,
+            tile_seq: &self.tile_seq,
+            tile_token: &self.tile_token,
+            decode_seqs: &self.decode_seqs,
+            decode_partition: &self.decode_partition,
+            plan,
+        }
+    }
+}
+
 /// One decode-only attention shape for `decode_attention`: `copies` caches of `seqs`
 /// sequences of `keys` keys each (blocks spread over the cache), so that the calls of a
 /// small shape cycle through more bytes than the 50 MB L2 holds.
@@ -106,35 +147,7 @@ impl DecodeShape {
 
     /// The step inputs `plan` reads, on the device.
     pub(crate) fn upload(&self, dev: &CudaDevice, plan: &AttentionPlan) -> PlanInputs {
-        let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
-        PlanInputs {
-            seq_lens: ints(&self.seq_lens),
-            query_start_loc: ints(&self.qsl),
-            tile_seq: ints(&plan.tile_seq),
-            tile_token: ints(&plan.tile_token),
-            decode_seqs: ints(&plan.decode_seqs),
-            decode_partition: ints(&[plan.decode_partition as i32]),
-        }
-    }
-
-    /// The attention metadata of `plan` over the cache copy of `table`.
-    pub(crate) fn meta<'a>(
-        &self,
-        table: &'a CudaSlice<i32>,
-        inputs: &'a PlanInputs,
-        plan: &'a AttentionPlan,
-    ) -> AttentionMeta<'a> {
-        AttentionMeta {
-            block_tables: table,
-            max_blocks_per_seq: self.blocks_per_seq,
-            seq_lens: &inputs.seq_lens,
-            query_start_loc: &inputs.query_start_loc,
-            tile_seq: &inputs.tile_seq,
-            tile_token: &inputs.tile_token,
-            decode_seqs: &inputs.decode_seqs,
-            decode_partition: &inputs.decode_partition,
-            plan,
-        }
+        PlanInputs::new(dev, &self.seq_lens, &self.qsl, plan)
     }
 
     pub(crate) fn dims(&self) -> AttentionDims {
@@ -159,7 +172,7 @@ impl DecodeShape {
         let metas: Vec<AttentionMeta> = self
             .tables
             .iter()
-            .map(|bt| self.meta(bt, &inputs, plan))
+            .map(|bt| inputs.meta(bt, self.blocks_per_seq, plan))
             .collect();
         let dims = self.dims();
         let mut out = ops.alloc(self.seqs * self.hq * D).unwrap();

@@ -85,7 +85,9 @@ impl LayerBatch {
         gemm.linear(&self.hidden, &w.qkv[c], &mut self.qkv, m, HIDDEN, QKV_N)
             .unwrap();
         let sh = &self.shape;
-        let meta = sh.meta(&sh.tables[0], &self.inputs, &self.plan);
+        let meta = self
+            .inputs
+            .meta(&sh.tables[0], sh.blocks_per_seq, &self.plan);
         ops.paged_attention(
             &sh.q,
             &sh.key_cache,

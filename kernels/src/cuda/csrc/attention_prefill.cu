@@ -94,112 +94,135 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) warp_keys = max(warp_keys, __shfl_xor_sync(0xffffffffu, warp_keys, o));
 
-    for (int k0 = 0; k0 < tile_keys; k0 += PF_KEYS) {
-        __syncthreads();  // the previous tile is consumed
-        // Every block-table lookup of the tile first, then every copy: the lookups and
-        // the copies each overlap, instead of a lookup-then-load chain per chunk.
-        constexpr int CHUNKS = PF_KEYS * (D / 8) / PF_THREADS;
-        long long src[CHUNKS];
+    // K and V tiles load on a pipeline of two half-steps: V(i) lands while S(i) and its
+    // softmax are computed, and K(i + 1) while P·V(i) is. Every block-table lookup of a
+    // tile comes first, then its copies, so that lookups and copies each overlap.
+    constexpr int CHUNKS = PF_KEYS * (D / 8) / PF_THREADS;
+    const auto lookup = [&](int k0, int (&slot)[CHUNKS]) {
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
-            const int c = tid + i * PF_THREADS, kr = c / (D / 8), p = k0 + kr;
-            src[i] = p < tile_keys ? cache_slot(table, p, a.block_size) * kv_row : -1;
+            const int p = k0 + (tid + i * PF_THREADS) / (D / 8);
+            slot[i] = p < tile_keys ? (int)cache_slot(table, p, a.block_size) : -1;
         }
+    };
+    // Past the keys: zeros, read from the cache's first row (any valid address).
+    // An empty group where there is no next tile keeps the waits' counts uniform.
+    const auto copy = [&](bool issue, u16* dst, const scalar_t* cache,
+                          const int (&slot)[CHUNKS]) {
 #pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
+        for (int i = 0; i < CHUNKS && issue; ++i) {
             const int c = tid + i * PF_THREADS, kr = c / (D / 8), d = (c - kr * (D / 8)) * 8;
-            // Past the keys: zeros, read from the tile's first row (any valid address).
-            const long long off = (src[i] < 0 ? 0 : src[i]) + (long long)kvh * D + d;
-            const int bytes = src[i] < 0 ? 0 : 16;
-            cp_async16(&sk[kr * LD + d], a.key_cache + off, bytes);
-            cp_async16(&sv[kr * LD + d], a.value_cache + off, bytes);
+            const long long off = (slot[i] < 0 ? 0 : slot[i] * kv_row) + (long long)kvh * D + d;
+            cp_async16(&dst[kr * LD + d], cache + off, slot[i] < 0 ? 0 : 16);
         }
         cp_async_commit();
-        cp_async_wait<0>();
+    };
+    int slot[CHUNKS];
+    lookup(0, slot);
+    copy(true, sk, a.key_cache, slot);
+    copy(true, sv, a.value_cache, slot);
+    for (int k0 = 0; k0 < tile_keys; k0 += PF_KEYS) {
+        const bool more = k0 + PF_KEYS < tile_keys;
+        if (more) lookup(k0 + PF_KEYS, slot);
+        cp_async_wait<1>();  // K(i); V(i) may be in flight
         __syncthreads();
-        if (k0 >= warp_keys) continue;  // every key of this tile is masked for the warp
+        // Every key of this tile is masked for the warp: it only takes part in the copies.
+        const bool skip = k0 >= warp_keys;
 
-        // S = Q·Kᵀ for 16 rows × PF_KEYS keys.
         float s[PF_KEYS / 8][4];
+        float m_use[2], alpha[2];
+        if (!skip) {
+            // S = Q·Kᵀ for 16 rows × PF_KEYS keys.
 #pragma unroll
-        for (int n = 0; n < PF_KEYS / 8; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            // Two k-steps a load: lane l addresses key n*8 + l%8 at dims 8(l/8) onwards.
-            const u16* kl = &sk[(n * 8 + (lane & 7)) * LD + (lane >> 3) * 8];
+            for (int n = 0; n < PF_KEYS / 8; ++n) {
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+                // Two k-steps a load: lane l addresses key n*8 + l%8 at dims 8(l/8) onwards.
+                const u16* kl = &sk[(n * 8 + (lane & 7)) * LD + (lane >> 3) * 8];
 #pragma unroll
-            for (int ks = 0; ks + 1 < KS; ks += 2) {
-                unsigned int b[4];
-                ldmatrix_x4(b, kl + ks * 16);
-                mma_16816(s[n], qa[ks], b[0], b[1]);
-                mma_16816(s[n], qa[ks + 1], b[2], b[3]);
+                for (int ks = 0; ks + 1 < KS; ks += 2) {
+                    unsigned int b[4];
+                    ldmatrix_x4(b, kl + ks * 16);
+                    mma_16816(s[n], qa[ks], b[0], b[1]);
+                    mma_16816(s[n], qa[ks + 1], b[2], b[3]);
+                }
+                if (KS % 2 == 1) {  // D = 16: one k-step
+                    const u16* krow = &sk[(n * 8 + gid) * LD + (KS - 1) * 16 + tig * 2];
+                    const unsigned int b0 = *reinterpret_cast<const unsigned int*>(krow);
+                    const unsigned int b1 = *reinterpret_cast<const unsigned int*>(krow + 8);
+                    mma_16816(s[n], qa[KS - 1], b0, b1);
+                }
             }
-            if (KS % 2 == 1) {  // D = 16: one k-step
-                const u16* krow = &sk[(n * 8 + gid) * LD + (KS - 1) * 16 + tig * 2];
-                const unsigned int b0 = *reinterpret_cast<const unsigned int*>(krow);
-                const unsigned int b1 = *reinterpret_cast<const unsigned int*>(krow + 8);
-                mma_16816(s[n], qa[KS - 1], b0, b1);
+            // Online softmax: mask, scale, row max over the quad, rescale.
+            float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int n = 0; n < PF_KEYS / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = e >> 1;
+                    const int key = k0 + n * 8 + tig * 2 + (e & 1);
+                    const float v = key < limit[j] ? s[n][e] * a.scale : NEG_INF;
+                    s[n][e] = v;
+                    tile_max[j] = fmaxf(tile_max[j], v);
+                }
             }
-        }
-        // Online softmax: mask, scale, row max over the quad, rescale.
-        float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int n = 0; n < PF_KEYS / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = e >> 1;
-                const int key = k0 + n * 8 + tig * 2 + (e & 1);
-                const float v = key < limit[j] ? s[n][e] * a.scale : NEG_INF;
-                s[n][e] = v;
-                tile_max[j] = fmaxf(tile_max[j], v);
+            for (int j = 0; j < 2; ++j) {
+                tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
+                tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
+                const float m_new = fmaxf(m[j], tile_max[j]);
+                // A row with nothing visible yet keeps m = -inf; use 0 so exp() gives 0, not NaN.
+                m_use[j] = m_new == NEG_INF ? 0.f : m_new;
+                alpha[j] = __expf(m[j] - m_use[j]);
+                m[j] = m_new;
             }
-        }
-        float alpha[2], m_use[2];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
-            tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
-            const float m_new = fmaxf(m[j], tile_max[j]);
-            // A row with nothing visible yet keeps m = -inf; use 0 so exp() gives 0, not NaN.
-            m_use[j] = m_new == NEG_INF ? 0.f : m_new;
-            alpha[j] = __expf(m[j] - m_use[j]);
-            m[j] = m_new;
-            l[j] *= alpha[j];
-        }
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
-        }
-        // P (rounded to 16 bits) as the A operand of P·V, 16 keys per k-step.
-#pragma unroll
-        for (int kk = 0; kk < PF_KEYS / 16; ++kk) {
-            unsigned int pa[4];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                float* sn = s[2 * kk + half];
-                const float p0 = __expf(sn[0] - m_use[0]), p1 = __expf(sn[1] - m_use[0]);
-                const float p2 = __expf(sn[2] - m_use[1]), p3 = __expf(sn[3] - m_use[1]);
-                l[0] += p0 + p1;
-                l[1] += p2 + p3;
-                pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
-                pa[2 * half + 1] = pack2(p2, p3);  // row gid + 8
-            }
-            // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
-            const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-            // V's B fragments, two n-tiles a load, transposed by ldmatrix: lane l addresses
-            // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
-            const u16* vl =
-                &sv[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8];
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                unsigned int b[4];
-                ldmatrix_x4_trans(b, vl + np * 16);
-                mma_16816(o[2 * np], pfrag, b[0], b[1]);
-                mma_16816(o[2 * np + 1], pfrag, b[2], b[3]);
+            for (int n = 0; n < NT; ++n) {
+                o[n][0] *= alpha[0];
+                o[n][1] *= alpha[0];
+                o[n][2] *= alpha[1];
+                o[n][3] *= alpha[1];
             }
         }
+        __syncthreads();  // every warp is done with K(i)
+        copy(more, sk, a.key_cache, slot);
+        cp_async_wait<1>();  // V(i); K(i + 1) may be in flight
+        __syncthreads();
+        if (!skip) {
+            // Rescaled here, where it meets the tile's first sum: one fma, as before the
+            // pipeline (the bits of the output are those of the one-stage kernel).
+            l[0] *= alpha[0];
+            l[1] *= alpha[1];
+            // P (rounded to 16 bits) as the A operand of P·V, 16 keys per k-step.
+#pragma unroll
+            for (int kk = 0; kk < PF_KEYS / 16; ++kk) {
+                unsigned int pa[4];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float* sn = s[2 * kk + half];
+                    const float p0 = __expf(sn[0] - m_use[0]), p1 = __expf(sn[1] - m_use[0]);
+                    const float p2 = __expf(sn[2] - m_use[1]), p3 = __expf(sn[3] - m_use[1]);
+                    l[0] += p0 + p1;
+                    l[1] += p2 + p3;
+                    pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
+                    pa[2 * half + 1] = pack2(p2, p3);  // row gid + 8
+                }
+                // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
+                const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+                // V's B fragments, two n-tiles a load, transposed by ldmatrix: lane l addresses
+                // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
+                const u16* vl =
+                    &sv[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8];
+#pragma unroll
+                for (int np = 0; np < NT / 2; ++np) {
+                    unsigned int b[4];
+                    ldmatrix_x4_trans(b, vl + np * 16);
+                    mma_16816(o[2 * np], pfrag, b[0], b[1]);
+                    mma_16816(o[2 * np + 1], pfrag, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with V(i)
+        copy(more, sv, a.value_cache, slot);
     }
 
     // Normalise by the row sums (summed over the quad) and store.

@@ -189,6 +189,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 fn prefill_attention() {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    // `VLLM_BENCH_CASE`: only the row of that name (one row under ncu).
+    let only = std::env::var("VLLM_BENCH_CASE").unwrap_or_default();
     let nanovllm: Vec<(usize, usize)> = (0..14).map(|i| (100 + (i * 379) % 924, 0)).collect();
     for (name, seqs) in [
         ("14 prompts of 100-1,023", nanovllm),
@@ -196,7 +198,10 @@ fn prefill_attention() {
         ("2,048 after 6,144 cached", vec![(2048, 6144)]),
     ] {
         for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
-            prefill_row(&dev, &ops, &format!("{model} {name}"), hq, &seqs);
+            let what = format!("{model} {name}");
+            if only.is_empty() || what == only {
+                prefill_row(&dev, &ops, &what, hq, &seqs);
+            }
         }
     }
 }

@@ -18,6 +18,26 @@
 #define PF_KEYS 64
 #define PF_PAD 8  // u16 padding per smem row: rows start on different banks
 
+// Where a thread's keys k, k + step, k + 2·step, ... lie in the block table: block `q`,
+// offset `r` in it. Walking by fixed steps divides by the block size once, not per key
+// (an integer division is a ~25-instruction sequence).
+struct KeyWalk {
+    int q, r, step_q, step_r, bs;
+    __device__ __forceinline__ KeyWalk(int k, int step, int block_size)
+        : q(k / block_size), r(k % block_size), step_q(step / block_size),
+          step_r(step % block_size), bs(block_size) {}
+    __device__ __forceinline__ void next() { by(step_q, step_r); }
+    // Moves by dq blocks and dr < bs keys.
+    __device__ __forceinline__ void by(int dq, int dr) {
+        q += dq;
+        r += dr;
+        if (r >= bs) {
+            r -= bs;
+            ++q;
+        }
+    }
+};
+
 struct PrefillArgs {
     const scalar_t* q;          // [T, Hq, D]
     const scalar_t* key_cache;  // [num_blocks, block_size, Hkv, D]
@@ -95,15 +115,31 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     for (int o = 16; o > 0; o >>= 1) warp_keys = max(warp_keys, __shfl_xor_sync(0xffffffffu, warp_keys, o));
 
     // K and V tiles load on a pipeline of two half-steps: V(i) lands while S(i) and its
-    // softmax are computed, and K(i + 1) while P·V(i) is. Every block-table lookup of a
-    // tile comes first, then its copies, so that lookups and copies each overlap.
+    // softmax are computed, and K(i + 1) while P·V(i) is.
     constexpr int CHUNKS = PF_KEYS * (D / 8) / PF_THREADS;
+    // A thread's keys of a tile are k0 + first + STEP·i (`KeyWalk`; dividing by the block
+    // size for each key, with each table load's use right behind it, was most of the
+    // kernel's stalls), every table load of a tile in flight before the first is used.
+    constexpr int STEP = PF_THREADS / (D / 8);
+    const int first = tid / (D / 8), last_block = (tile_keys - 1) / a.block_size;
+    const int tile_q = PF_KEYS / a.block_size, tile_r = PF_KEYS % a.block_size;
+    KeyWalk tile_walk(first, STEP, a.block_size);  // at key k0 + first of the next lookup
     const auto lookup = [&](int k0, int (&slot)[CHUNKS]) {
+        int block[CHUNKS];
+        KeyWalk walk = tile_walk;
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
-            const int p = k0 + (tid + i * PF_THREADS) / (D / 8);
-            slot[i] = p < tile_keys ? (int)cache_slot(table, p, a.block_size) : -1;
+            block[i] = table[min(walk.q, last_block)];
+            walk.next();
         }
+        walk = tile_walk;
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            const int p = k0 + first + STEP * i;
+            slot[i] = p < tile_keys ? block[i] * a.block_size + walk.r : -1;
+            walk.next();
+        }
+        tile_walk.by(tile_q, tile_r);
     };
     // Past the keys: zeros, read from the cache's first row (any valid address).
     // An empty group where there is no next tile keeps the waits' counts uniform.

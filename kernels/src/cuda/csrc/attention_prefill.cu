@@ -56,6 +56,116 @@ struct PrefillArgs {
     float scale;
 };
 
+// S = Q·Kᵀ for the warp's 16 rows × PF_KEYS keys of the tile in `sk`.
+template <int D>
+__device__ __forceinline__ void tile_scores(const u16* sk, const unsigned int (&qa)[D / 16][4],
+                                            int lane, float (&s)[PF_KEYS / 8][4]) {
+    constexpr int KS = D / 16;
+    constexpr int LD = D + PF_PAD;
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int n = 0; n < PF_KEYS / 8; ++n) {
+        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        // Two k-steps a load: lane l addresses key n*8 + l%8 at dims 8(l/8) onwards.
+        const u16* kl = &sk[(n * 8 + (lane & 7)) * LD + (lane >> 3) * 8];
+#pragma unroll
+        for (int ks = 0; ks + 1 < KS; ks += 2) {
+            unsigned int b[4];
+            ldmatrix_x4(b, kl + ks * 16);
+            mma_16816(s[n], qa[ks], b[0], b[1]);
+            mma_16816(s[n], qa[ks + 1], b[2], b[3]);
+        }
+        if (KS % 2 == 1) {  // D = 16: one k-step
+            const u16* krow = &sk[(n * 8 + gid) * LD + (KS - 1) * 16 + tig * 2];
+            const unsigned int b0 = *reinterpret_cast<const unsigned int*>(krow);
+            const unsigned int b1 = *reinterpret_cast<const unsigned int*>(krow + 8);
+            mma_16816(s[n], qa[KS - 1], b0, b1);
+        }
+    }
+}
+
+// The online softmax of a tile's scores: mask past each row's `limit`, scale, take the row
+// maxima over the quad, and rescale O by exp(m_old - m_new) (`alpha`; the row sums are
+// rescaled in `accumulate_pv`).
+template <int D>
+__device__ __forceinline__ void online_softmax(float (&s)[PF_KEYS / 8][4], int k0, int tig,
+                                               const int (&limit)[2], float scale,
+                                               float (&m)[2], float (&m_use)[2],
+                                               float (&alpha)[2], float (&o)[D / 8][4]) {
+    constexpr int NT = D / 8;
+    float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int n = 0; n < PF_KEYS / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = e >> 1;
+            const int key = k0 + n * 8 + tig * 2 + (e & 1);
+            const float v = key < limit[j] ? s[n][e] * scale : NEG_INF;
+            s[n][e] = v;
+            tile_max[j] = fmaxf(tile_max[j], v);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
+        tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
+        const float m_new = fmaxf(m[j], tile_max[j]);
+        // A row with nothing visible yet keeps m = -inf; use 0 so exp() gives 0, not NaN.
+        m_use[j] = m_new == NEG_INF ? 0.f : m_new;
+        alpha[j] = __expf(m[j] - m_use[j]);
+        m[j] = m_new;
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+    }
+}
+
+// O += P·V for the tile in `sv`, P = exp(S - m_use) rounded to 16 bits; the row sums `l`
+// rescaled by `alpha` and summed.
+template <int D>
+__device__ __forceinline__ void accumulate_pv(const u16* sv, const float (&s)[PF_KEYS / 8][4],
+                                              const float (&m_use)[2], const float (&alpha)[2],
+                                              int lane, float (&l)[2], float (&o)[D / 8][4]) {
+    constexpr int NT = D / 8;
+    constexpr int LD = D + PF_PAD;
+    // Rescaled here, where it meets the tile's first sum: one fma, as in the kernel before
+    // the K/V pipeline, whose output bits this keeps.
+    l[0] *= alpha[0];
+    l[1] *= alpha[1];
+    // P (rounded to 16 bits) as the A operand of P·V, 16 keys per k-step.
+#pragma unroll
+    for (int kk = 0; kk < PF_KEYS / 16; ++kk) {
+        unsigned int pa[4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float* sn = s[2 * kk + half];
+            const float p0 = __expf(sn[0] - m_use[0]), p1 = __expf(sn[1] - m_use[0]);
+            const float p2 = __expf(sn[2] - m_use[1]), p3 = __expf(sn[3] - m_use[1]);
+            l[0] += p0 + p1;
+            l[1] += p2 + p3;
+            pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
+            pa[2 * half + 1] = pack2(p2, p3);  // row gid + 8
+        }
+        // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
+        const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+        // V's B fragments, two n-tiles a load, transposed by ldmatrix: lane l addresses
+        // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
+        const u16* vl =
+            &sv[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8];
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            unsigned int b[4];
+            ldmatrix_x4_trans(b, vl + np * 16);
+            mma_16816(o[2 * np], pfrag, b[0], b[1]);
+            mma_16816(o[2 * np + 1], pfrag, b[2], b[3]);
+        }
+    }
+}
+
 template <int D>
 __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     constexpr int KS = D / 16;  // k-steps of Q·Kᵀ
@@ -168,94 +278,15 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
         float s[PF_KEYS / 8][4];
         float m_use[2], alpha[2];
         if (!skip) {
-            // S = Q·Kᵀ for 16 rows × PF_KEYS keys.
-#pragma unroll
-            for (int n = 0; n < PF_KEYS / 8; ++n) {
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-                // Two k-steps a load: lane l addresses key n*8 + l%8 at dims 8(l/8) onwards.
-                const u16* kl = &sk[(n * 8 + (lane & 7)) * LD + (lane >> 3) * 8];
-#pragma unroll
-                for (int ks = 0; ks + 1 < KS; ks += 2) {
-                    unsigned int b[4];
-                    ldmatrix_x4(b, kl + ks * 16);
-                    mma_16816(s[n], qa[ks], b[0], b[1]);
-                    mma_16816(s[n], qa[ks + 1], b[2], b[3]);
-                }
-                if (KS % 2 == 1) {  // D = 16: one k-step
-                    const u16* krow = &sk[(n * 8 + gid) * LD + (KS - 1) * 16 + tig * 2];
-                    const unsigned int b0 = *reinterpret_cast<const unsigned int*>(krow);
-                    const unsigned int b1 = *reinterpret_cast<const unsigned int*>(krow + 8);
-                    mma_16816(s[n], qa[KS - 1], b0, b1);
-                }
-            }
-            // Online softmax: mask, scale, row max over the quad, rescale.
-            float tile_max[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int n = 0; n < PF_KEYS / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = e >> 1;
-                    const int key = k0 + n * 8 + tig * 2 + (e & 1);
-                    const float v = key < limit[j] ? s[n][e] * a.scale : NEG_INF;
-                    s[n][e] = v;
-                    tile_max[j] = fmaxf(tile_max[j], v);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
-                tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
-                const float m_new = fmaxf(m[j], tile_max[j]);
-                // A row with nothing visible yet keeps m = -inf; use 0 so exp() gives 0, not NaN.
-                m_use[j] = m_new == NEG_INF ? 0.f : m_new;
-                alpha[j] = __expf(m[j] - m_use[j]);
-                m[j] = m_new;
-            }
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                o[n][0] *= alpha[0];
-                o[n][1] *= alpha[0];
-                o[n][2] *= alpha[1];
-                o[n][3] *= alpha[1];
-            }
+            tile_scores<D>(sk, qa, lane, s);
+            online_softmax<D>(s, k0, tig, limit, a.scale, m, m_use, alpha, o);
         }
         __syncthreads();  // every warp is done with K(i)
         copy(more, sk, a.key_cache, slot);
         cp_async_wait<1>();  // V(i); K(i + 1) may be in flight
         __syncthreads();
         if (!skip) {
-            // Rescaled here, where it meets the tile's first sum: one fma, as before the
-            // pipeline (the bits of the output are those of the one-stage kernel).
-            l[0] *= alpha[0];
-            l[1] *= alpha[1];
-            // P (rounded to 16 bits) as the A operand of P·V, 16 keys per k-step.
-#pragma unroll
-            for (int kk = 0; kk < PF_KEYS / 16; ++kk) {
-                unsigned int pa[4];
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    float* sn = s[2 * kk + half];
-                    const float p0 = __expf(sn[0] - m_use[0]), p1 = __expf(sn[1] - m_use[0]);
-                    const float p2 = __expf(sn[2] - m_use[1]), p3 = __expf(sn[3] - m_use[1]);
-                    l[0] += p0 + p1;
-                    l[1] += p2 + p3;
-                    pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
-                    pa[2 * half + 1] = pack2(p2, p3);  // row gid + 8
-                }
-                // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
-                const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-                // V's B fragments, two n-tiles a load, transposed by ldmatrix: lane l addresses
-                // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
-                const u16* vl =
-                    &sv[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8];
-#pragma unroll
-                for (int np = 0; np < NT / 2; ++np) {
-                    unsigned int b[4];
-                    ldmatrix_x4_trans(b, vl + np * 16);
-                    mma_16816(o[2 * np], pfrag, b[0], b[1]);
-                    mma_16816(o[2 * np + 1], pfrag, b[2], b[3]);
-                }
-            }
+            accumulate_pv<D>(sv, s, m_use, alpha, lane, l, o);
         }
         __syncthreads();  // every warp is done with V(i)
         copy(more, sv, a.value_cache, slot);

@@ -45,8 +45,13 @@ pub const DEC_MAX_PARTITION: usize = 2048;
 pub const DEC_MIN_GRID_PARTITIONS: usize = 4;
 /// The most partitions of a fixed decode grid.
 const DEC_MAX_GRID_PARTITIONS: usize = 64;
-/// Dynamic shared memory a decode block may take without opting in to more.
-const DEC_MAX_SHARED: usize = 48 * 1024;
+/// Dynamic shared memory a decode block may take: every group's longest partition under
+/// it fills the SM as far as the kernel's registers allow, and is the one 48 KB gave
+/// with 8-byte offsets (2,048 keys up to a group of 2, 1,024 at 4, 512 at 8).
+const DEC_MAX_SHARED: usize = 36 * 1024;
+/// The widest (padded) group whose decode blocks keep i32 slots (attention_decode.cu,
+/// `KeySlots`).
+const DEC_COMPACT_MAX_GROUP: usize = 2;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
@@ -369,7 +374,13 @@ impl AttentionPlan {
 }
 
 fn decode_shared_bytes(partition: usize, group: usize, head_dim: usize) -> usize {
-    partition * 8 + (group * partition + DEC_WARPS * group * head_dim) * 4
+    let (scores, sums) = (group * partition, DEC_WARPS * group * head_dim);
+    if group <= DEC_COMPACT_MAX_GROUP {
+        // i32 slots, then the scores, whose memory the cross-warp sum reuses.
+        partition * 4 + scores.max(sums) * 4
+    } else {
+        partition * 8 + (scores + sums) * 4
+    }
 }
 
 /// Splits of the CUDA-core kernel: used when the tiles times the kv heads leave the SMs

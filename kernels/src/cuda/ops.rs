@@ -832,6 +832,14 @@ impl CudaOps {
             num_decode <= 65_535,
             "paged attention: {num_decode} decode sequences in one step, past the grid's 65,535"
         );
+        // The kernel keeps each key's cache slot as an i32.
+        let slot_bytes = dims.num_kv_heads * dims.head_dim * self.dtype.size();
+        ensure!(
+            c.key_cache.len() / slot_bytes.max(1) <= i32::MAX as usize,
+            "paged attention: a layer's KV cache of {} bytes has more slots than the decode \
+             kernel's i32 (lower --gpu-memory-utilization)",
+            c.key_cache.len()
+        );
         let parts = plan.decode_partitions;
         let part_rows = parts * num_decode * dims.num_q_heads;
         let (part_o, part_ml) = if parts > 1 {

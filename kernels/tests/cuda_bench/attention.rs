@@ -126,7 +126,7 @@ fn decode_plan_rows(
     let (seqs, mean) = (lens.len(), lens.iter().sum::<i32>() as usize / lens.len());
     let mut shape = DecodeShape::new(dev, lens);
     let ragged = shape.keys != mean;
-    for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+    for (model, hq) in [("0.6B", HQ), ("8B", 32), ("g8", 64)] {
         shape.set_q_heads(dev, hq);
         let reference_plan = shape.plan(ops, None);
         let (_, reference) = shape.run(dev, ops, &reference_plan);
@@ -197,7 +197,7 @@ fn prefill_attention() {
         ("1 prompt of 8,192", vec![(8192, 0)]),
         ("2,048 after 6,144 cached", vec![(2048, 6144)]),
     ] {
-        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
+        for (model, hq) in [("0.6B", HQ), ("8B", 32), ("g8", 64)] {
             let what = format!("{model} {name}");
             if only.is_empty() || what == only {
                 prefill_row(&dev, &ops, &what, hq, &seqs);

@@ -80,10 +80,20 @@ impl LayerBatch {
 
     /// Layer `l`'s launches, on the streams of `ops` and `gemm`.
     fn layer(&mut self, ops: &CudaOps, gemm: &Gemm, w: &LayerWeights, l: usize) {
+        self.before_attention(ops, gemm, w, l);
+        self.attention(ops);
+        self.after_attention(ops, gemm, w, l);
+    }
+
+    /// The norm and the qkv GEMM.
+    fn before_attention(&mut self, ops: &CudaOps, gemm: &Gemm, w: &LayerWeights, l: usize) {
         let (m, c) = (self.rows, l % w.qkv.len());
         self.add_norm(ops, w);
         gemm.linear(&self.hidden, &w.qkv[c], &mut self.qkv, m, HIDDEN, QKV_N)
             .unwrap();
+    }
+
+    fn attention(&mut self, ops: &CudaOps) {
         let sh = &self.shape;
         let meta = self
             .inputs
@@ -98,6 +108,11 @@ impl LayerBatch {
             &mut self.attn,
         )
         .unwrap();
+    }
+
+    /// o_proj, the norm and the MLP.
+    fn after_attention(&mut self, ops: &CudaOps, gemm: &Gemm, w: &LayerWeights, l: usize) {
+        let (m, c) = (self.rows, l % w.qkv.len());
         gemm.linear(&self.attn, &w.o[c], &mut self.hidden, m, HQ * D, HIDDEN)
             .unwrap();
         self.add_norm(ops, w);
@@ -135,7 +150,18 @@ fn dual_batch_overlap() {
     let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
     let side_gemm = Gemm::new(side.clone(), DType::BF16).unwrap();
     let weights = LayerWeights::new(&dev);
-    let lens: Vec<i32> = (0..SEQS as i32).map(|i| 100 + (i * 379) % 924).collect();
+    // Keys of the sequences: 100-1,023 (nanovllm-256's first decode steps), or the range
+    // VLLM_BENCH_KEYS ("300-1600") asks for.
+    let (lo, hi) = std::env::var("VLLM_BENCH_KEYS")
+        .ok()
+        .and_then(|r| {
+            let (lo, hi) = r.split_once('-')?;
+            Some((lo.parse::<i32>().ok()?, hi.parse::<i32>().ok()?))
+        })
+        .unwrap_or((100, 1023));
+    let lens: Vec<i32> = (0..SEQS as i32)
+        .map(|i| lo + (i * 379) % (hi - lo + 1))
+        .collect();
     let half =
         |parity: usize| -> Vec<i32> { lens.iter().copied().skip(parity).step_by(2).collect() };
     let mut full = LayerBatch::new(&dev, &ops, lens.clone());
@@ -182,6 +208,48 @@ fn dual_batch_overlap() {
                 b.layer(&side_ops, &side_gemm, &weights, l);
             }
             dev.stream.join(&side).expect("join");
+        }),
+    );
+    // The halves' attentions one after the other, each half's GEMMs and small kernels
+    // under the other's attention: A's attention of layer l waits for B's of layer l - 1,
+    // B's for A's of layer l (each `join` waits for what the other stream has queued so
+    // far, so the launches are queued in this order).
+    let mut staggered = |ops: &CudaOps, side_ops: &CudaOps| {
+        side.join(&dev.stream).expect("fork");
+        for l in 0..LAYERS {
+            a.before_attention(ops, &gemm, &weights, l);
+            if l > 0 {
+                dev.stream.join(&side).expect("after B's attention");
+            }
+            a.attention(ops);
+            if l > 0 {
+                b.after_attention(side_ops, &side_gemm, &weights, l - 1);
+            }
+            b.before_attention(side_ops, &side_gemm, &weights, l);
+            side.join(&dev.stream).expect("after A's attention");
+            b.attention(side_ops);
+            a.after_attention(ops, &gemm, &weights, l);
+        }
+        b.after_attention(side_ops, &side_gemm, &weights, LAYERS - 1);
+        dev.stream.join(&side).expect("join");
+    };
+    step(
+        "2 x 128, two streams, attentions staggered",
+        time_graph(&dev, 1, || staggered(&ops, &side_ops)),
+    );
+    let (mut plain, mut side_plain) = (
+        CudaOps::new(&dev, DType::BF16).expect("build kernels"),
+        CudaOps::new(&dev, DType::BF16).expect("build kernels"),
+    );
+    (plain.pdl, side_plain.pdl, side_plain.stream) = (false, false, side.clone());
+    step(
+        "2 x 128, two streams, staggered, no PDL",
+        time_graph(&dev, 1, || staggered(&plain, &side_plain)),
+    );
+    step(
+        "256, one batch, no PDL",
+        time_graph(&dev, 1, || {
+            (0..LAYERS).for_each(|l| full.layer(&plain, &gemm, &weights, l))
         }),
     );
     step(

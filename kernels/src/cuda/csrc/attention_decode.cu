@@ -92,11 +92,48 @@ __device__ __forceinline__ void load8(const scalar_t* p, float* out) {
     unpack_row8(load_row8(p), out);
 }
 
+// Where each key of a block's partition lies in the cache (elements from the start of
+// its kv head's row), looked up once before pass 1: without it each K and V load waits
+// first for its block-table read. Groups of up to two q heads (COMPACT) keep the slot,
+// 4 bytes, times the row at each load, and sum pass 3 over the scores' memory: 2,048
+// keys take 24 KB, so an SM holds seven blocks, as many as their registers allow, where
+// 8-byte offsets held five (Qwen3-0.6B's steps of 128-256 sequences 3-5 % faster).
+// Wider groups, whose registers allow no more blocks, keep 8-byte offsets: the compact
+// layout took Qwen3-8B's step of 192 sequences 5 % longer (docs/BENCHMARKS.md,
+// 2026-11-26).
+template <bool COMPACT>
+struct KeySlots;
+// Offsets from the start of the kv head's row: the lanes' pointers start there
+// (`head_offset`).
+template <>
+struct KeySlots<true> {
+    int* slot;
+    long long row;
+    __device__ static KeySlots at(void* p, long long row) { return {static_cast<int*>(p), row}; }
+    __device__ void set(int i, long long slot_i, long long, long long) const {
+        slot[i] = (int)slot_i;
+    }
+    __device__ long long operator[](int i) const { return slot[i] * row; }
+    __device__ static long long head_offset(long long head) { return head; }
+};
+// Offsets from the start of the cache, the kv head's column included (only the pointer
+// stays live through the passes: the widest group has no registers to spare).
+template <>
+struct KeySlots<false> {
+    long long* offset;
+    __device__ static KeySlots at(void* p, long long) { return {static_cast<long long*>(p)}; }
+    __device__ void set(int i, long long slot_i, long long row, long long head) const {
+        offset[i] = slot_i * row + head;
+    }
+    __device__ long long operator[](int i) const { return offset[i]; }
+    __device__ static long long head_offset(long long) { return 0; }
+};
+
 // This lane's rows of one step's keys (base + grp + NG·u for u < DEC_UNROLL) at their
 // cache offsets `slots` (from the partition's first key), zeros past its end.
-template <int NG>
+template <int NG, bool C>
 __device__ __forceinline__ void load_step(Row8* rows, const scalar_t* lane,
-                                          const long long* slots, int base, int k_begin,
+                                          const KeySlots<C> slots, int base, int k_begin,
                                           int k_end, int grp) {
 #pragma unroll
     for (int u = 0; u < DEC_UNROLL; ++u) {
@@ -109,15 +146,18 @@ template <int D, int GP>
 __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     constexpr int TG = D / 8;               // lanes per key
     constexpr int NG = DEC_THREADS / TG;    // keys per block per step
+    constexpr bool COMPACT = GP <= 2;
     extern __shared__ long long dec_smem[];
     const int partition = *a.partition;
-    // The cache offset of every key of the partition, looked up once: without it each K
-    // and V load waits first for its block-table read.
-    long long* slots = dec_smem;                                       // [partition]
-    float* scores = reinterpret_cast<float*>(dec_smem + partition);  // [GP][partition]
-    float* red = scores + GP * partition;                            // [DEC_WARPS][GP][D]
+    float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(dec_smem) +
+                                             partition * (COMPACT ? 4 : 8));  // [GP][partition]
+    // The cross-warp sum of pass 3's accumulators: over the scores once they are used.
+    float* red = COMPACT ? scores : scores + GP * partition;  // [DEC_WARPS][GP][D]
     __shared__ float s_max[DEC_WARPS][GP];
     __shared__ float s_sum[DEC_WARPS][GP];
+    // The block's max of each head, for the partial's row: read by a head picked at run
+    // time, which from registers would put m[] in local memory.
+    __shared__ float s_block_max[GP];
 
     const int kvh = blockIdx.x, part = blockIdx.y, i = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -148,9 +188,10 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     // before the wait, while the kernel before finishes (common.cuh); q and the newest
     // key are that kernel's output.
     const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
-    const long long kv_row = (long long)a.num_kv_heads * D;
+    const long long kv_row = (long long)a.num_kv_heads * D, head = (long long)kvh * D;
+    const KeySlots<COMPACT> slots = KeySlots<COMPACT>::at(dec_smem, kv_row);  // [partition]
     for (int k = k_begin + tid; k < k_end; k += DEC_THREADS)
-        slots[k - k_begin] = cache_slot(table, k, a.block_size) * kv_row + (long long)kvh * D;
+        slots.set(k - k_begin, cache_slot(table, k, a.block_size), kv_row, head);
     pdl_enter();
     float q[GP][8];
 #pragma unroll
@@ -166,8 +207,9 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     }
     __syncthreads();
     // This lane's 8 columns of a key row.
-    const scalar_t* k_lane = a.key_cache + sub * 8;
-    const scalar_t* v_lane = a.value_cache + sub * 8;
+    const long long lane_start = KeySlots<COMPACT>::head_offset(head) + sub * 8;
+    const scalar_t* k_lane = a.key_cache + lane_start;
+    const scalar_t* v_lane = a.value_cache + lane_start;
 
     // Pass 1: scores. Every lane runs the same number of steps (shuffles need the whole
     // warp); keys past the end are loaded as zeros and not stored. Each step's rows load
@@ -222,7 +264,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         float mh = s_max[0][h];
 #pragma unroll
         for (int w = 1; w < DEC_WARPS; ++w) mh = fmaxf(mh, s_max[w][h]);
-        m[h] = mh;
+        if (tid == 0) s_block_max[h] = mh;
         float s = 0.f;
         for (int k = tid; k < n_keys; k += DEC_THREADS) {
             const float p = __expf(scores[h * partition + k] - mh);
@@ -261,7 +303,8 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         for (int u = 0; u < DEC_UNROLL; ++u) rows[u] = next[u];
     }
     // Sum the key groups: first inside the warp (lanes with the same `sub`), then across
-    // warps through shared memory.
+    // warps through shared memory (the scores', once every warp is past pass 3).
+    if (COMPACT) __syncthreads();
 #pragma unroll
     for (int h = 0; h < GP; ++h) {
         if (h >= g) break;
@@ -289,7 +332,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         } else {
             a.part_o[(p_row0 + h) * D + d] = o;
             if (d == 0) {
-                a.part_ml[(p_row0 + h) * 2] = m[h];
+                a.part_ml[(p_row0 + h) * 2] = s_block_max[h];
                 a.part_ml[(p_row0 + h) * 2 + 1] = l;
             }
         }

@@ -197,7 +197,7 @@ fn prefill_attention() {
         ("1 prompt of 8,192", vec![(8192, 0)]),
         ("2,048 after 6,144 cached", vec![(2048, 6144)]),
     ] {
-        for (model, hq) in [("0.6B", HQ), ("8B", 32), ("g8", 64)] {
+        for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
             let what = format!("{model} {name}");
             if only.is_empty() || what == only {
                 prefill_row(&dev, &ops, &what, hq, &seqs);

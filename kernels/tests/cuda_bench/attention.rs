@@ -142,7 +142,9 @@ fn decode_plan_rows(
         let planned = std::iter::once(None).chain(partitions.iter().map(|&p| Some(p)));
         for partition in planned {
             let plan = shape.plan(ops, partition);
-            if plan.decode_shared_bytes(D) > 48 * 1024
+            // The kernel's static shared memory (about 1 KB) counts against the same 48 KB
+            // a launch may take without opting in.
+            if plan.decode_shared_bytes(D) + 2 * 1024 > 48 * 1024
                 || plan.decode_partitions * plan.decode_partition < shape.keys
             {
                 continue;

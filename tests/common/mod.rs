@@ -150,6 +150,10 @@ pub struct Server {
     pub child: Child,
     pub base: String,
     log: tempfile::NamedTempFile,
+    /// The arguments (but the port) and the environment changes it was started with, to
+    /// start it again on another port (`wait_healthy`).
+    args: Vec<OsString>,
+    envs: Vec<(OsString, Option<OsString>)>,
 }
 
 impl Server {
@@ -176,14 +180,29 @@ impl Server {
     /// Starts `vllm-rs serve ARGS` on a free port, without waiting for it; `configure`
     /// adjusts the command first (its environment, say).
     pub fn spawn_serve(args: &[OsString], configure: impl FnOnce(&mut Command)) -> Server {
+        let mut cmd = Command::new(exe());
+        cmd.env("RUST_LOG", "info");
+        configure(&mut cmd);
+        let envs = (cmd.get_envs())
+            .map(|(k, v)| (k.to_owned(), v.map(|v| v.to_owned())))
+            .collect();
+        Self::launch(args.to_vec(), envs)
+    }
+
+    /// `vllm-rs serve ARGS --port P` on a free port P, with `envs` set (or removed).
+    fn launch(args: Vec<OsString>, envs: Vec<(OsString, Option<OsString>)>) -> Server {
         let port = free_port();
         let log = tempfile::NamedTempFile::new().expect("log file");
         let mut cmd = Command::new(exe());
         cmd.arg("serve")
-            .args(args)
-            .args(["--port", &port.to_string()])
-            .env("RUST_LOG", "info");
-        configure(&mut cmd);
+            .args(&args)
+            .args(["--port", &port.to_string()]);
+        for (k, v) in &envs {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
         let child = cmd
             .stdout(Stdio::null())
             .stderr(log.reopen().expect("log"))
@@ -193,6 +212,8 @@ impl Server {
             child,
             base: format!("http://127.0.0.1:{port}"),
             log,
+            args,
+            envs,
         }
     }
 
@@ -208,10 +229,23 @@ impl Server {
         std::fs::read_to_string(self.log.path()).unwrap_or_default()
     }
 
+    /// Waits for `/health` to answer 200. A server that could not bind its port starts
+    /// again on another (at most twice): between `free_port` and the server's bind, another
+    /// socket (a parallel test's client) can take the port.
     pub fn wait_healthy(&mut self, limit: Duration) {
         let start = Instant::now();
+        let mut new_ports = 2;
         while start.elapsed() < limit {
             if let Ok(Some(status)) = self.child.try_wait() {
+                if new_ports > 0 && self.log().contains("Address already in use") {
+                    new_ports -= 1;
+                    let (args, envs) = (
+                        std::mem::take(&mut self.args),
+                        std::mem::take(&mut self.envs),
+                    );
+                    *self = Self::launch(args, envs);
+                    continue;
+                }
                 panic!(
                     "vllm-rs serve exited during startup ({status}):\n{}",
                     self.log()

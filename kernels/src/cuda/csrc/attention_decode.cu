@@ -146,7 +146,7 @@ template <int D, int GP>
 __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     constexpr int TG = D / 8;               // lanes per key
     constexpr int NG = DEC_THREADS / TG;    // keys per block per step
-    constexpr bool COMPACT = GP <= 2;
+    constexpr bool COMPACT = GP <= 2;  // DEC_COMPACT_MAX_GROUP in attention_plan.rs sizes it
     extern __shared__ long long dec_smem[];
     const int partition = *a.partition;
     float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(dec_smem) +

@@ -231,6 +231,7 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     // size for each key, with each table load's use right behind it, was most of the
     // kernel's stalls), every table load of a tile in flight before the first is used.
     constexpr int STEP = PF_THREADS / (D / 8);
+    static_assert(PF_THREADS % (D / 8) == 0, "a thread's chunks share their columns");
     const int first = tid / (D / 8), last_block = (tile_keys - 1) / a.block_size;
     const int tile_q = PF_KEYS / a.block_size, tile_r = PF_KEYS % a.block_size;
     KeyWalk tile_walk(first, STEP, a.block_size);  // at key k0 + first of the next lookup
@@ -252,12 +253,14 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
         tile_walk.by(tile_q, tile_r);
     };
     // Past the keys: zeros, read from the cache's first row (any valid address).
-    // An empty group where there is no next tile keeps the waits' counts uniform.
+    // An empty group where there is no next tile keeps the waits' counts uniform. A
+    // thread copies the same 8 columns `d` of each of its keys (tile rows first + STEP·i).
+    const int d = (tid % (D / 8)) * 8;
     const auto copy = [&](bool issue, u16* dst, const scalar_t* cache,
                           const int (&slot)[CHUNKS]) {
 #pragma unroll
         for (int i = 0; i < CHUNKS && issue; ++i) {
-            const int c = tid + i * PF_THREADS, kr = c / (D / 8), d = (c - kr * (D / 8)) * 8;
+            const int kr = first + STEP * i;
             const long long off = (slot[i] < 0 ? 0 : slot[i] * kv_row) + (long long)kvh * D + d;
             cp_async16(&dst[kr * LD + d], cache + off, slot[i] < 0 ? 0 : 16);
         }

@@ -22,6 +22,7 @@
 #define DEC_THREADS 128
 #define DEC_WARPS (DEC_THREADS / 32)
 #define DEC_UNROLL 4  // keys in flight per lane
+#define DEC_DOTS_LIVE 16  // pass 1's dots summed together (score_step)
 
 struct DecodeArgs {
     const scalar_t* q;          // [T, Hq, D]
@@ -142,6 +143,89 @@ __device__ __forceinline__ void load_step(Row8* rows, const scalar_t* lane,
     }
 }
 
+// Sums v[N] over the TG lanes of a key group (TG a power of two dividing 32) with N - 1
+// shuffles where one sum per value takes N · log2(TG): at each of the first levels a lane
+// keeps half of its values and sends the other half to its partner, which keeps the
+// other half. On return a lane holds in v[0, max(N / TG, 1)) the sums of the values from
+// index `group_first<N, TG>(sub)` on.
+template <int N, int TG>
+__device__ __forceinline__ void group_sum_transposed(float (&v)[N], int sub) {
+#pragma unroll
+    for (int o = TG / 2, n = N; o > 0; o >>= 1) {
+        if (n > 1) {
+            const bool upper = sub & o;
+#pragma unroll
+            for (int j = 0; j < n / 2; ++j) {
+                const float send = upper ? v[j] : v[j + n / 2];
+                const float keep = upper ? v[j + n / 2] : v[j];
+                v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+            n /= 2;
+        } else {
+            v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+        }
+    }
+}
+
+// The index of the first value lane `sub` holds after `group_sum_transposed`.
+template <int N, int TG>
+__device__ __forceinline__ int group_first(int sub) {
+    int first = 0;
+#pragma unroll
+    for (int o = TG / 2, n = N; o > 0 && n > 1; o >>= 1, n /= 2)
+        if (sub & o) first += n / 2;
+    return first;
+}
+
+// Pass 1's scores of one step (DEC_UNROLL keys a key group) into `scores`, and their
+// running max per head into m. The dots of UC keys at a time, index u · GP + h, are summed
+// over the key's lanes together: N - 1 shuffles where one sum per dot takes N · log2(TG)
+// (N = UC · GP, at most DEC_DOTS_LIVE so that the group of 8 does not spill). Shuffles
+// share the shared-memory pipe, whose waits were half the kernel's stalls: summing them
+// together took 4-23 % off Qwen3-8B's kernel and 15-26 % off the group of 8's, and 1-7 %
+// off Qwen3-0.6B's small batches (docs/BENCHMARKS.md, 2026-11-26). Each sum pairs the
+// same lanes in the same order as one butterfly per dot did.
+template <int TG, int NG, int GP>
+__device__ __forceinline__ void score_step(const Row8* rows, const float (&q)[GP][8],
+                                           float (&m)[GP], float* scores, int partition,
+                                           int base, int k_begin, int k_end, int grp, int sub,
+                                           int g) {
+    constexpr int UC = DEC_DOTS_LIVE / GP < DEC_UNROLL ? DEC_DOTS_LIVE / GP : DEC_UNROLL;
+    constexpr int N = UC * GP;
+    // Where lanes hold the same sum (N < TG), the first of them stores it.
+    constexpr int HELD = N >= TG ? N / TG : 1;
+    const bool writer = N >= TG || (sub & (TG / N - 1)) == 0;
+    const int first = group_first<N, TG>(sub);
+#pragma unroll
+    for (int u0 = 0; u0 < DEC_UNROLL; u0 += UC) {
+        float dot[N];
+#pragma unroll
+        for (int u = 0; u < UC; ++u) {
+            float kf[8];
+            unpack_row8(rows[u0 + u], kf);
+#pragma unroll
+            for (int h = 0; h < GP; ++h) {
+                float d = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d += q[h][e] * kf[e];
+                dot[u * GP + h] = d;
+            }
+        }
+        group_sum_transposed<N, TG>(dot, sub);
+#pragma unroll
+        for (int r = 0; r < HELD; ++r) {
+            const int j = first + r, hj = j % GP;
+            const int k = base + grp + NG * (u0 + j / GP);
+            if (hj < g && k < k_end) {
+#pragma unroll
+                for (int h = 0; h < GP; ++h)
+                    if (h == hj) m[h] = fmaxf(m[h], dot[r]);
+                if (writer) scores[hj * partition + (k - k_begin)] = dot[r];
+            }
+        }
+    }
+}
+
 template <int D, int GP>
 __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     constexpr int TG = D / 8;               // lanes per key
@@ -223,25 +307,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     for (int base = k_begin; base < k_end; base += STEP) {
         Row8 next[DEC_UNROLL];
         load_step<NG>(next, k_lane, slots, base + STEP, k_begin, k_end, grp);
-#pragma unroll
-        for (int u = 0; u < DEC_UNROLL; ++u) {
-            const int k = base + grp + NG * u;
-            float kf[8];
-            unpack_row8(rows[u], kf);
-#pragma unroll
-            for (int h = 0; h < GP; ++h) {
-                if (h >= g) break;
-                float dot = 0.f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) dot += q[h][e] * kf[e];
-#pragma unroll
-                for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                if (k < k_end) {
-                    m[h] = fmaxf(m[h], dot);
-                    if (sub == 0) scores[h * partition + (k - k_begin)] = dot;
-                }
-            }
-        }
+        score_step<TG, NG, GP>(rows, q, m, scores, partition, base, k_begin, k_end, grp, sub, g);
 #pragma unroll
         for (int u = 0; u < DEC_UNROLL; ++u) rows[u] = next[u];
     }

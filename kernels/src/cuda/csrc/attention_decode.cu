@@ -143,6 +143,16 @@ __device__ __forceinline__ void load_step(Row8* rows, const scalar_t* lane,
     }
 }
 
+// Where pass 1 keeps the score of key k (from the partition's first) for head h. Groups of
+// 4 and more keep a key's scores together ([partition][GP]), so that pass 3 reads them in
+// one or two accesses where it took one a head (their shared-memory pipe was busy); for
+// the smaller groups, which read one or two, the head-major layout ([GP][partition]) kept
+// Qwen3-0.6B's kernel at 72 registers where this one took 80 (seven blocks an SM, not six).
+template <int GP>
+__device__ __forceinline__ int score_index(int k, int h, int partition) {
+    return GP >= 4 ? k * GP + h : h * partition + k;
+}
+
 // Sums v[N] over the TG lanes of a key group (TG a power of two dividing 32) with N - 1
 // shuffles where one sum per value takes N · log2(TG): at each of the first levels a lane
 // keeps half of its values and sends the other half to its partner, which keeps the
@@ -220,9 +230,76 @@ __device__ __forceinline__ void score_step(const Row8* rows, const float (&q)[GP
 #pragma unroll
                 for (int h = 0; h < GP; ++h)
                     if (h == hj) m[h] = fmaxf(m[h], dot[r]);
-                if (writer) scores[hj * partition + (k - k_begin)] = dot[r];
+                if (writer) scores[score_index<GP>(k - k_begin, hj, partition)] = dot[r];
             }
         }
+    }
+}
+
+// Key k's GP probabilities, in as few accesses as the layout allows (a key's scores start
+// 16-byte aligned: the scores start at a multiple of 32 keys' slots).
+template <int GP>
+__device__ __forceinline__ void load_probs(const float* scores, int k, int partition,
+                                           float (&p)[GP]) {
+    if (GP >= 4) {
+#pragma unroll
+        for (int i = 0; i < GP / 4; ++i) {
+            const float4 v = reinterpret_cast<const float4*>(scores + k * GP)[i];
+            p[4 * i] = v.x, p[4 * i + 1] = v.y, p[4 * i + 2] = v.z, p[4 * i + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < GP; ++h) p[h] = scores[score_index<GP>(k, h, partition)];
+    }
+}
+
+// Pass 2: each head's scores of the block's n_keys into exp(score - the block's max), the
+// max of each head into s_block_max and each warp's sums into s_sum. Thread tid keeps head
+// tid % GP where a key's scores are together (DEC_THREADS is a multiple of GP), so that
+// consecutive threads read consecutive words; else it walks every head.
+template <int GP>
+__device__ __forceinline__ void softmax_scores(float* scores, const float (&s_max)[DEC_WARPS][GP],
+                                               float (&s_sum)[DEC_WARPS][GP],
+                                               float* s_block_max, int n_keys, int partition,
+                                               int g) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float mh[GP];
+#pragma unroll
+    for (int h = 0; h < GP; ++h) {
+        mh[h] = s_max[0][h];
+#pragma unroll
+        for (int w = 1; w < DEC_WARPS; ++w) mh[h] = fmaxf(mh[h], s_max[w][h]);
+        if (tid == 0 && h < g) s_block_max[h] = mh[h];
+    }
+    if (GP >= 4) {
+        const int ht = tid % GP;
+        float mt = NEG_INF, s = 0.f;
+#pragma unroll
+        for (int h = 0; h < GP; ++h)
+            if (h == ht) mt = mh[h];
+        if (ht < g) {
+            for (int idx = tid; idx < n_keys * GP; idx += DEC_THREADS) {
+                const float p = __expf(scores[idx] - mt);
+                scores[idx] = p;
+                s += p;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o >= GP; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane < GP && lane < g) s_sum[warp][lane] = s;
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < GP; ++h) {
+        if (h >= g) break;
+        float s = 0.f;
+        for (int k = tid; k < n_keys; k += DEC_THREADS) {
+            const float p = __expf(scores[h * partition + k] - mh[h]);
+            scores[h * partition + k] = p;
+            s += p;
+        }
+        s = warp_sum(s);
+        if (lane == 0) s_sum[warp][h] = s;
     }
 }
 
@@ -234,7 +311,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     extern __shared__ long long dec_smem[];
     const int partition = *a.partition;
     float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(dec_smem) +
-                                             partition * (COMPACT ? 4 : 8));  // [GP][partition]
+                                             partition * (COMPACT ? 4 : 8));  // score_index
     // The cross-warp sum of pass 3's accumulators: over the scores once they are used.
     float* red = COMPACT ? scores : scores + GP * partition;  // [DEC_WARPS][GP][D]
     __shared__ float s_max[DEC_WARPS][GP];
@@ -322,24 +399,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         if (lane == 0) s_max[warp][h] = wm;
     }
     __syncthreads();  // also publishes the scores
-    const int n_keys = k_end - k_begin;
-    float l_part[GP];
-#pragma unroll
-    for (int h = 0; h < GP; ++h) {
-        if (h >= g) break;
-        float mh = s_max[0][h];
-#pragma unroll
-        for (int w = 1; w < DEC_WARPS; ++w) mh = fmaxf(mh, s_max[w][h]);
-        if (tid == 0) s_block_max[h] = mh;
-        float s = 0.f;
-        for (int k = tid; k < n_keys; k += DEC_THREADS) {
-            const float p = __expf(scores[h * partition + k] - mh);
-            scores[h * partition + k] = p;
-            s += p;
-        }
-        l_part[h] = warp_sum(s);
-        if (lane == 0) s_sum[warp][h] = l_part[h];
-    }
+    softmax_scores<GP>(scores, s_max, s_sum, s_block_max, k_end - k_begin, partition, g);
     __syncthreads();  // publishes the probabilities and the partial sums
 
     // Pass 3: o = Σ p · v, each lane owning 8 columns of its key group.
@@ -355,14 +415,14 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
         for (int u = 0; u < DEC_UNROLL; ++u) {
             const int k = base + grp + NG * u;
             if (k >= k_end) continue;
-            float vf[8];
+            float vf[8], p[GP];
             unpack_row8(rows[u], vf);
+            load_probs<GP>(scores, k - k_begin, partition, p);
 #pragma unroll
             for (int h = 0; h < GP; ++h) {
                 if (h >= g) break;
-                const float p = scores[h * partition + (k - k_begin)];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[h][e] += p * vf[e];
+                for (int e = 0; e < 8; ++e) acc[h][e] += p[h] * vf[e];
             }
         }
 #pragma unroll

@@ -266,11 +266,10 @@ __device__ __forceinline__ void softmax_scores(float* scores, const float (&s_ma
     float mh[GP];
 #pragma unroll
     for (int h = 0; h < GP; ++h) {
-        mh[h] = NEG_INF;  // padding heads (h >= g): pass 1 wrote no max for them
-        if (h >= g) continue;
+        mh[h] = s_max[0][h];
 #pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) mh[h] = fmaxf(mh[h], s_max[w][h]);
-        if (tid == 0) s_block_max[h] = mh[h];
+        for (int w = 1; w < DEC_WARPS; ++w) mh[h] = fmaxf(mh[h], s_max[w][h]);
+        if (tid == 0 && h < g) s_block_max[h] = mh[h];
     }
     if (GP >= 4) {
         const int ht = tid % GP;

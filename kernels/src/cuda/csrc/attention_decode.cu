@@ -149,8 +149,12 @@ __device__ __forceinline__ void load_step(Row8* rows, const scalar_t* lane,
 // the smaller groups, which read one or two, the head-major layout ([GP][partition]) kept
 // Qwen3-0.6B's kernel at 72 registers where this one took 80 (seven blocks an SM, not six).
 template <int GP>
+__device__ __forceinline__ constexpr bool key_major() {
+    return GP >= 4;
+}
+template <int GP>
 __device__ __forceinline__ int score_index(int k, int h, int partition) {
-    return GP >= 4 ? k * GP + h : h * partition + k;
+    return key_major<GP>() ? k * GP + h : h * partition + k;
 }
 
 // Sums v[N] over the TG lanes of a key group (TG a power of two dividing 32) with N - 1
@@ -227,6 +231,7 @@ __device__ __forceinline__ void score_step(const Row8* rows, const float (&q)[GP
             const int j = first + r, hj = j % GP;
             const int k = base + grp + NG * (u0 + j / GP);
             if (hj < g && k < k_end) {
+                // m[hj] by a run-time index would put m[] in local memory.
 #pragma unroll
                 for (int h = 0; h < GP; ++h)
                     if (h == hj) m[h] = fmaxf(m[h], dot[r]);
@@ -241,7 +246,7 @@ __device__ __forceinline__ void score_step(const Row8* rows, const float (&q)[GP
 template <int GP>
 __device__ __forceinline__ void load_probs(const float* scores, int k, int partition,
                                            float (&p)[GP]) {
-    if (GP >= 4) {
+    if (key_major<GP>()) {
 #pragma unroll
         for (int i = 0; i < GP / 4; ++i) {
             const float4 v = reinterpret_cast<const float4*>(scores + k * GP)[i];
@@ -271,7 +276,7 @@ __device__ __forceinline__ void softmax_scores(float* scores, const float (&s_ma
         for (int w = 1; w < DEC_WARPS; ++w) mh[h] = fmaxf(mh[h], s_max[w][h]);
         if (tid == 0 && h < g) s_block_max[h] = mh[h];
     }
-    if (GP >= 4) {
+    if (key_major<GP>()) {
         const int ht = tid % GP;
         float mt = NEG_INF, s = 0.f;
 #pragma unroll
@@ -294,9 +299,9 @@ __device__ __forceinline__ void softmax_scores(float* scores, const float (&s_ma
         if (h >= g) break;
         float s = 0.f;
         for (int k = tid; k < n_keys; k += DEC_THREADS) {
-            const float p = __expf(scores[h * partition + k] - mh[h]);
-            scores[h * partition + k] = p;
-            s += p;
+            float& score = scores[score_index<GP>(k, h, partition)];
+            score = __expf(score - mh[h]);
+            s += score;
         }
         s = warp_sum(s);
         if (lane == 0) s_sum[warp][h] = s;

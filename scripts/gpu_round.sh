@@ -28,6 +28,10 @@
 #                                     the largest TP also through NCCL alone, against the custom all-reduce)
 #                                     tp-parity32-0.6b (the same in f32: every row token for token)
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
+#                                     sanitize (compute-sanitizer over the kernel tests:
+#                                     memcheck and initcheck on all, racecheck on attention
+#                                     and the small kernels; about 9 minutes, so set
+#                                     STAGE_TIMEOUT=580 and run it alone in its call)
 #                                     reliability: soak (scripts/soak.sh on the Qwen3-0.6B shape,
 #                                     $SOAK_SECONDS, default 480; set STAGE_TIMEOUT above it)
 #                                     (default: info kernels kernel-bench model serve parity bench)
@@ -467,15 +471,36 @@ long_context() {
     done
 }
 
+# compute-sanitizer over the kernel tests, each run failing on its first report: memcheck
+# (out-of-bounds and misaligned accesses) and initcheck (reads of unwritten global memory)
+# on every test, racecheck (shared-memory hazards between threads) on attention and the
+# small kernels. Racecheck over attention alone takes about 3.5 minutes on an H100.
+sanitize_stage() {
+    local cs=$CUDA_HOME/bin/compute-sanitizer run tool filter rc fail=0 log
+    for run in memcheck initcheck "racecheck attention" "racecheck small_kernels"; do
+        read -r tool filter <<<"$run"
+        log="$LOG/sanitize-$tool${filter:+-$filter}.log"
+        # shellcheck disable=SC2086
+        "$cs" --tool "$tool" --print-limit 20 --error-exitcode 9 "$G/cuda_kernels" --ignored \
+            --test-threads=1 $filter >"$log" 2>&1
+        rc=$?
+        echo "BENCH sanitize $tool ${filter:-every test}: rc=$rc," \
+            "$(grep -a -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1 | sed 's/=* *//')"
+        [ "$rc" -eq 0 ] || fail=1
+    done
+    return $fail
+}
+
 ENGINE_ARGS=${ENGINE_ARGS:-}
 export G LOG BIN MODELS ENGINE_ARGS TP_SIZES TP_MAX
 export -f bench_run long_context make_model served_check serve_stage wait_health time_to_health throughput bench_stage offline_bench profile_stage batch_bench prefill_bench sampling_bench latency_8b serve_bench llama_8b \
-    tp_serve tp_latency tp_throughput tp_70b tp_rank_latency
+    tp_serve tp_latency tp_throughput tp_70b tp_rank_latency sanitize_stage
 
 for s in $STAGES; do
     case $s in
     info) stage info bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; ls $CUDA_HOME/lib64 | grep -E 'libnvrtc.so|libcublas.so' | head" ;;
     kernels) stage kernels bash -c "$G/cuda_nvrtc --ignored && $G/cuda_kernels --ignored --test-threads=1 --nocapture" ;;
+    sanitize) stage sanitize sanitize_stage ;;
     model) stage model "$G/worker_tests" backend::cuda --ignored --skip hf_parity_dump --skip decode_latency_bench --skip decode_batch_bench --test-threads=1 --nocapture ;;
     serve) stage serve serve_stage ;;
     serve-quick) stage serve-quick served_check qwen3-0.6b 16 ;;

@@ -222,7 +222,9 @@ __device__ __forceinline__ void ll_sum_add_rms_norm(const CustomAllReduceNormArg
         }
         reinterpret_cast<uint4*>(a.residual)[i] = pack16(z);
     }
-    norm_chunk_out(z, ss, mine, a.hidden, a.eps, a.weight, dst);
+    // The weight's load overlaps the row's sum (loaded before the kernel's wait, as
+    // norm.cu's kernels do, it held registers through the peers' wait: a 32-byte stack).
+    norm_chunk_out(z, ss, mine, a.hidden, a.eps, norm_weight_chunk(a.weight, mine), dst);
 }
 
 // ---- Row lines: a one-row gemv's outputs, sent as they are made ----

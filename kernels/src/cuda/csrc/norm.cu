@@ -10,16 +10,24 @@ __device__ __forceinline__ bool norm_vectorised(int hidden, const void* a, const
     return hidden % VEC16 == 0 && hidden <= (int)blockDim.x * VEC16 && aligned16(a, b, c);
 }
 
+// This thread's 16-byte chunk of the weight, for the vectorised path's end, which the
+// caller loads early: this file's kernels before their wait (weights are no kernel's
+// output, common.cuh). Read after the row's sum, it was one more round trip between the
+// sum and the store (docs/BENCHMARKS.md, 2026-11-26).
+__device__ __forceinline__ uint4 norm_weight_chunk(const scalar_t* weight, bool mine) {
+    return mine ? reinterpret_cast<const uint4*>(weight)[threadIdx.x] : make_uint4(0u, 0u, 0u, 0u);
+}
+
 // The vectorised path's end, in every thread of the block: the row's sum of squares from
 // each thread's part `ss`, then this thread's chunk `v` (when it has one) scaled by the
-// inverse RMS, rounded, times the weight, into `dst`.
+// inverse RMS, rounded, times its weight chunk (`norm_weight_chunk`), into `dst`.
 __device__ __forceinline__ void norm_chunk_out(float (&v)[VEC16], float ss, bool mine, int hidden,
-                                               float eps, const scalar_t* weight, scalar_t* dst) {
+                                               float eps, uint4 w_chunk, scalar_t* dst) {
     ss = block_sum(ss);
     const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
     if (!mine) return;
     float w[VEC16];
-    unpack16(reinterpret_cast<const uint4*>(weight)[threadIdx.x], w);
+    unpack16(w_chunk, w);
 #pragma unroll
     for (int j = 0; j < VEC16; j++) v[j] = round_t(v[j] * inv) * w[j];
     reinterpret_cast<uint4*>(dst)[threadIdx.x] = pack16(v);
@@ -28,19 +36,21 @@ __device__ __forceinline__ void norm_chunk_out(float (&v)[VEC16], float ss, bool
 extern "C" __global__ void rms_norm(const scalar_t* __restrict__ x,
                                     const scalar_t* __restrict__ weight,
                                     scalar_t* __restrict__ out, int hidden, float eps) {
+    const bool vectorised = norm_vectorised(hidden, x, weight, out);
+    const int c = threadIdx.x;
+    const bool mine = c * VEC16 < hidden;
+    const uint4 w_chunk = norm_weight_chunk(weight, vectorised && mine);
     pdl_enter();
     const scalar_t* xr = x + (long long)blockIdx.x * hidden;
     scalar_t* dst = out + (long long)blockIdx.x * hidden;
-    if (norm_vectorised(hidden, x, weight, out)) {
-        const int c = threadIdx.x;
-        const bool mine = c * VEC16 < hidden;
+    if (vectorised) {
         float v[VEC16], ss = 0.f;
         if (mine) {
             unpack16(reinterpret_cast<const uint4*>(xr)[c], v);
 #pragma unroll
             for (int j = 0; j < VEC16; j++) ss += v[j] * v[j];
         }
-        norm_chunk_out(v, ss, mine, hidden, eps, weight, dst);
+        norm_chunk_out(v, ss, mine, hidden, eps, w_chunk, dst);
         return;
     }
     float ss = 0.f;
@@ -60,17 +70,19 @@ extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
                                               scalar_t* __restrict__ residual,
                                               const scalar_t* __restrict__ weight, int hidden,
                                               float eps) {
-    // The weights into L2 before the wait (common.cuh), a 128-byte line a thread, for a
-    // few rows only (as in qkv_prepare.cu).
+    const bool vectorised = norm_vectorised(hidden, x, residual, weight);
+    const int c = threadIdx.x;
+    const bool mine = c * VEC16 < hidden;
+    const uint4 w_chunk = norm_weight_chunk(weight, vectorised && mine);
+    // Otherwise the weights into L2 before the wait, a 128-byte line a thread, for a few
+    // rows only (as in qkv_prepare.cu).
     const int line = 128 / (int)sizeof(scalar_t);
-    if (gridDim.x <= PREFETCH_MAX_ROWS && threadIdx.x < (hidden + line - 1) / line)
-        prefetch_l2(weight + threadIdx.x * line);
+    if (!vectorised && gridDim.x <= PREFETCH_MAX_ROWS && c < (hidden + line - 1) / line)
+        prefetch_l2(weight + c * line);
     pdl_enter();
     scalar_t* xr = x + (long long)blockIdx.x * hidden;
     scalar_t* rr = residual + (long long)blockIdx.x * hidden;
-    if (norm_vectorised(hidden, x, residual, weight)) {
-        const int c = threadIdx.x;
-        const bool mine = c * VEC16 < hidden;
+    if (vectorised) {
         float z[VEC16], ss = 0.f;
         if (mine) {
             float r[VEC16];
@@ -83,7 +95,7 @@ extern "C" __global__ void fused_add_rms_norm(scalar_t* __restrict__ x,
             }
             reinterpret_cast<uint4*>(rr)[c] = pack16(z);
         }
-        norm_chunk_out(z, ss, mine, hidden, eps, weight, xr);
+        norm_chunk_out(z, ss, mine, hidden, eps, w_chunk, xr);
         return;
     }
     float ss = 0.f;

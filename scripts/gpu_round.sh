@@ -30,7 +30,7 @@
 #                                     trained weights: gguf-parity (SmolLM2 GGUF vs transformers)
 #                                     sanitize (compute-sanitizer over the kernel tests:
 #                                     memcheck and initcheck on all, racecheck on attention
-#                                     and the small kernels; about 9 minutes, so set
+#                                     and the small kernels; about 7 minutes, so set
 #                                     STAGE_TIMEOUT=580 and run it alone in its call)
 #                                     reliability: soak (scripts/soak.sh on the Qwen3-0.6B shape,
 #                                     $SOAK_SECONDS, default 480; set STAGE_TIMEOUT above it)
@@ -474,7 +474,7 @@ long_context() {
 # compute-sanitizer over the kernel tests, each run failing on its first report: memcheck
 # (out-of-bounds and misaligned accesses) and initcheck (reads of unwritten global memory)
 # on every test, racecheck (shared-memory hazards between threads) on attention and the
-# small kernels. Racecheck over attention alone takes about 3.5 minutes on an H100.
+# small kernels. Racecheck over attention alone takes about 4 minutes on an H100.
 sanitize_stage() {
     local cs=$CUDA_HOME/bin/compute-sanitizer run tool filter rc fail=0 log
     for run in memcheck initcheck "racecheck attention" "racecheck small_kernels"; do

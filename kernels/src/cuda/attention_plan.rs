@@ -141,9 +141,9 @@ pub struct DecodeGrid {
 /// - With 8-byte key offsets (before the compact layout of attention_decode.cu's
 ///   `KeySlots`), a grid sized for 2,048 keys held 5–6 blocks an SM (36.9 KB each)
 ///   whatever partition a step took; at 1,024 keys (20 KB) the registers' 7 fit.
-///   Qwen3-0.6B TPOT on an H100 (`bench latency`, 256 output tokens): batch 16 × 1,500 prompt tokens 2.59 -> 2.28 ms,
-///   8 × 2,000 2.38 -> 2.15, 64 × 1,000 4.85 -> 4.75, 32 × 1,500 3.77 -> 3.80; 512 keys
-///   did no better.
+///   Qwen3-0.6B TPOT on an H100 (`bench latency`, 256 output tokens): batch 16 × 1,500
+///   prompt tokens 2.59 -> 2.28 ms, 8 × 2,000 2.38 -> 2.15, 64 × 1,000 4.85 -> 4.75,
+///   32 × 1,500 3.77 -> 3.80; 512 keys did no better.
 /// - A group of 4 fits 1,024 keys at most; the doubled partitions let its short
 ///   partitions fill the SMs. Qwen3-8B TPOT: 8 × 2,000 9.06 -> 8.38 ms, 4 × 1,300 7.05 ->
 ///   6.73 (docs/BENCHMARKS.md, "Decode attention in the later steps").

@@ -148,6 +148,15 @@ impl EngineCoreClient {
                 return Err(e);
             }
         };
+        // The engine-core is connected on both sockets; nothing else may connect. Unbinding
+        // now also lets zeromq remove the socket files while the run directory exists:
+        // left to the sockets' drop, its listener tasks ran after the directory was gone
+        // and warned that they could not delete them.
+        let mut unbind_errors = router.unbind_all().await;
+        unbind_errors.extend(pull.unbind_all().await);
+        for err in unbind_errors {
+            tracing::debug!("unbinding the engine sockets: {err}");
+        }
         tracing::info!(
             "engine ready: {} on {}, {} KV blocks of {} tokens, max model len {}",
             ready.model.architecture,

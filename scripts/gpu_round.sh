@@ -11,6 +11,8 @@
 #                                     a rank's step without collectives; TP_SIZES="1 4" on one GPU)
 #                                     decode-late (decode attention at small batches of long
 #                                     sequences: each grid's plan against fixed partitions)
+#                                     decode-mid (decode attention at nanovllm-256's batches of
+#                                     64-128: the plan against fixed partitions)
 #                                     long-context (TPOT at those batches; BASE_BIN alternates)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
@@ -516,6 +518,7 @@ for s in $STAGES; do
     tp-gemv) stage tp-gemv "$G/cuda_bench" tp_rank_gemvs --ignored --nocapture ;;
     gemm-bench) stage gemm-bench "$G/cuda_bench" decode_gemms --ignored --nocapture ;;
     decode-late) stage decode-late "$G/cuda_bench" decode_attention_late --ignored --nocapture ;;
+    decode-mid) stage decode-mid "$G/cuda_bench" decode_attention_mid --ignored --nocapture ;;
     long-context) stage long-context long_context ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;

@@ -109,6 +109,49 @@ fn decode_attention_late() {
     }
 }
 
+/// Decode attention at nanovllm-256's middle states, where the batch (72–128 sequences)
+/// just fills the GPU four times over with whole sequences (`DecodeGrid::whole_sequences`:
+/// a block per sequence and kv head, fewer blocks than an H100 holds at once). A batch of
+/// B alive is about step 100 + 924 · (1 − B/256), so its sequences hold that many keys
+/// past a prompt of 100–1,023. The plan against fixed partitions, as `decode_attention_late`.
+///
+///   cuda_bench decode_attention_mid --ignored --nocapture
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_attention_mid() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let partitions = [2048, 1024, 512, 256];
+    for seqs in [64, 72, 88, 104, 128] {
+        let lens = nanovllm_batch(seqs, 100 + 924 * (256 - seqs) / 256);
+        decode_plan_rows(&dev, &ops, "decode_mid", lens, &partitions, false);
+    }
+}
+
+/// What the fixed grid's partitions past every sequence's end cost a whole-sequence grid:
+/// its plan (at least `DEC_MIN_GRID_PARTITIONS`, all but the first exiting at once)
+/// against one partition of 2,048 keys, alternating four times, at nanovllm-256's states
+/// (a step earlier than `decode_attention_mid`'s).
+///
+///   cuda_bench decode_attention_empty_partitions --ignored --nocapture
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_attention_empty_partitions() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    for _ in 0..4 {
+        for seqs in [256, 192, 128, 104, 88, 72] {
+            let lens = nanovllm_batch(seqs, 924 * (256 - seqs) / 256);
+            decode_plan_rows(&dev, &ops, "decode_empty", lens, &[2048], false);
+        }
+    }
+}
+
+/// The lengths of `seqs` sequences, `step` tokens past prompts spread over 100–1,023.
+fn nanovllm_batch(seqs: i32, step: i32) -> Vec<i32> {
+    (0..seqs).map(|i| step + 100 + (i * 379) % 924).collect()
+}
+
 /// One `BENCH <bench>` row per (model, plan) for sequences of `lens` keys: the planned
 /// partition first, then each of `partitions` (skipping those past the shared memory a
 /// block takes without opting in, or, for one sequence, which keeps the grid's partition

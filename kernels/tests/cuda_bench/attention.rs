@@ -109,11 +109,11 @@ fn decode_attention_late() {
     }
 }
 
-/// Decode attention at nanovllm-256's middle states, where the batch (72–128 sequences)
-/// just fills the GPU four times over with whole sequences (`DecodeGrid::whole_sequences`:
-/// a block per sequence and kv head, fewer blocks than an H100 holds at once). A batch of
-/// B alive is about step 100 + 924 · (1 − B/256), so its sequences hold that many keys
-/// past a prompt of 100–1,023. The plan against fixed partitions, as `decode_attention_late`.
+/// Decode attention at nanovllm-256's middle states, 64–128 sequences: around the grid's
+/// switch to whole sequences (`DecodeGrid::whole_sequences`, from 66 sequences of 8 kv heads
+/// on an H100: a block per sequence and kv head, about one wave of blocks). B sequences are
+/// alive at about step 100 + 924 · (1 − B/256), so they hold that many keys past prompts of
+/// 100–1,023. The plan against fixed partitions, as `decode_attention_late`.
 ///
 ///   cuda_bench decode_attention_mid --ignored --nocapture
 #[test]

@@ -189,9 +189,11 @@ fn silu_and_mul_matches_cpu() {
 
 /// `qkv_prepare` (split, q/k per-head RMSNorm, neox rotary, k and v into the cache, one
 /// launch) against the CPU's split, `rms_norm_per_head`, `rotary_embedding_neox` and
-/// `reshape_and_cache`: head sizes whose lanes take 4 elements and one (36) whose lanes
-/// take one, partial rotary, with and without the norms, and a padding slot whose k and
-/// v go nowhere (the caches start random, so a stray or missing write shows).
+/// `reshape_and_cache`: head sizes of whole 16-byte chunks (128, 64: `qkv_prepare_wide`,
+/// several heads a warp in 16-bit dtypes), one whose lanes take 4 elements (96: 12 chunks)
+/// and one whose lanes take one (36), partial rotary, with and without the norms, and a
+/// padding slot whose k and v go nowhere (the caches start random, so a stray or missing
+/// write shows).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn qkv_prepare_matches_cpu() {
@@ -201,7 +203,13 @@ fn qkv_prepare_matches_cpu() {
     for dtype in DTYPES {
         let c = Ctx::new(&g, dtype);
         let mut r = Lcg(29);
-        for (d, rotary_dim, norm) in [(128, 128, true), (64, 32, false), (36, 36, true)] {
+        let heads = [
+            (128, 128, true),
+            (64, 32, false),
+            (96, 96, true),
+            (36, 36, true),
+        ];
+        for (d, rotary_dim, norm) in heads {
             let (q_row, kv_row) = (hq * d, hkv * d);
             let qkv = c.round(&r.vec(t * (q_row + 2 * kv_row), 2.0));
             let (qw, kw) = (c.round(&r.vec(d, 1.0)), c.round(&r.vec(d, 1.0)));

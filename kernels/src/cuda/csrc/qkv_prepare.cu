@@ -103,6 +103,24 @@ __device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, 
     }
 }
 
+// A head's constants into L2 before the wait, a lane of the head (`lane`) a 128-byte line:
+// its norm weights, then its cos/sin row. Only for a few tokens, where the kernel is one
+// chain of loads: at 256 tokens the prefetches took it from 6.6 to 20.5 µs (H100,
+// docs/BENCHMARKS.md).
+__device__ __forceinline__ void prefetch_head_constants(const scalar_t* w, const scalar_t* cs,
+                                                        int d, int rotary_dim, int lane) {
+    const int line = 128 / (int)sizeof(scalar_t);
+    const int w_lines = w != nullptr ? (d + line - 1) / line : 0;
+    const int cs_lines = (rotary_dim + line - 1) / line;
+    if (gridDim.x <= PREFETCH_MAX_ROWS) {
+        if (lane < w_lines) {
+            prefetch_l2(w + lane * line);
+        } else if (lane < w_lines + cs_lines) {
+            prefetch_l2(cs + (lane - w_lines) * line);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs a) {
     __shared__ float staged[QKV_WARPS][QKV_MAX_HEAD_DIM];
     const long long t = blockIdx.x;
@@ -119,19 +137,7 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
     float* h = staged[warp];
     const scalar_t* src = row + (long long)head * d;
     const scalar_t* w = head < hq ? a.q_norm : a.k_norm;
-    // One lane a 128-byte line: a head's norm weights, then its cos/sin row. Only for a
-    // few tokens, where the kernel is one chain of loads: at 256 tokens the prefetches
-    // took it from 6.6 to 20.5 µs (H100, docs/BENCHMARKS.md).
-    const int line = 128 / (int)sizeof(scalar_t);
-    const int w_lines = w != nullptr ? (d + line - 1) / line : 0;
-    const int cs_lines = (a.rotary_dim + line - 1) / line;
-    if (gridDim.x <= PREFETCH_MAX_ROWS) {
-        if (lane < w_lines) {
-            prefetch_l2(w + lane * line);
-        } else if (lane < w_lines + cs_lines) {
-            prefetch_l2(cs + (lane - w_lines) * line);
-        }
-    }
+    prefetch_head_constants(w, cs, d, a.rotary_dim, lane);
     pdl_enter();
     // Lanes take 4 consecutive elements (one 8-byte access in bf16) where a head and the
     // rotary halves are whole groups of 4, else one.
@@ -161,16 +167,7 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(Qk
     const int slot = a.slot_mapping[t];
     const scalar_t* cs = a.cos_sin + (long long)a.positions[t] * a.rotary_dim;
     const scalar_t* w = head < hq ? a.q_norm : a.k_norm;
-    if (gridDim.x <= PREFETCH_MAX_ROWS) {
-        const int line = 128 / (int)sizeof(scalar_t);
-        const int w_lines = w != nullptr ? (d + line - 1) / line : 0;
-        const int cs_lines = (a.rotary_dim + line - 1) / line;
-        if (hl < w_lines) {
-            prefetch_l2(w + hl * line);
-        } else if (hl < w_lines + cs_lines) {
-            prefetch_l2(cs + (hl - w_lines) * line);
-        }
-    }
+    prefetch_head_constants(w, cs, d, a.rotary_dim, hl);
     pdl_enter();
     if (head >= hq + 2 * hkv) return;  // whole head groups leave together
     const int i = hl * VEC16;

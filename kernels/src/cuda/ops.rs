@@ -952,6 +952,12 @@ impl CudaOps {
         out: &mut CudaSlice<u8>,
     ) -> Result<()> {
         let (plan, dims, meta) = (c.meta.plan, c.dims, c.meta);
+        // The kernel keeps a key's row offset in 16-byte units in 32 bits.
+        ensure!(
+            c.key_cache.len() as u64 <= 1 << 36,
+            "attention: a layer's KV cache of {} bytes is past the prefill kernel's 64 GiB",
+            c.key_cache.len()
+        );
         let s = &self.stream;
         let (q_p, _g0) = c.q.device_ptr(s);
         let (kc_p, _g1) = c.key_cache.device_ptr(s);

@@ -8,7 +8,9 @@
 // warps owns 16 rows. Key tiles of PF_KEYS rows are staged in shared memory; S = Q·Kᵀ and
 // O += P·V are `mma.m16n8k16` with f32 accumulation, the online softmax runs on the S
 // fragments in registers, and P is rounded to the 16-bit type for the P·V product (as
-// flash-attention does).
+// flash-attention does). The softmax runs in base 2 with the scale folded in (p =
+// 2^(s·scale·log2 e − m), one FFMA and one MUFU a score), and masks only the tiles that
+// reach past a row's last visible key.
 
 #if !defined(VLLM_DTYPE_F32)
 
@@ -63,15 +65,15 @@ __device__ __forceinline__ void tile_scores(const u16* sk, const unsigned int (&
     constexpr int KS = D / 16;
     constexpr int LD = D + PF_PAD;
     const int gid = lane >> 2, tig = lane & 3;
+    // Two k-steps a load: lane l addresses key n*8 + l%8 at dims 8(l/8) onwards.
+    const unsigned int kl = smem_addr(sk) + ((lane & 7) * LD + (lane >> 3) * 8) * 2;
 #pragma unroll
     for (int n = 0; n < PF_KEYS / 8; ++n) {
         s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        // Two k-steps a load: lane l addresses key n*8 + l%8 at dims 8(l/8) onwards.
-        const u16* kl = &sk[(n * 8 + (lane & 7)) * LD + (lane >> 3) * 8];
 #pragma unroll
         for (int ks = 0; ks + 1 < KS; ks += 2) {
             unsigned int b[4];
-            ldmatrix_x4(b, kl + ks * 16);
+            ldmatrix_x4(b, kl + (n * 8 * LD + ks * 16) * 2);
             mma_16816(s[n], qa[ks], b[0], b[1]);
             mma_16816(s[n], qa[ks + 1], b[2], b[3]);
         }
@@ -84,58 +86,84 @@ __device__ __forceinline__ void tile_scores(const u16* sk, const unsigned int (&
     }
 }
 
-// The online softmax of a tile's scores: mask past each row's `limit`, scale, take the row
-// maxima over the quad, and rescale O by exp(m_old - m_new) (`alpha`; the row sums are
-// rescaled in `accumulate_pv`).
+// 2^x on the MUFU alone: `exp2f` and `__expf` add a range check and two multiplies a
+// call so that results below 2^-126 come out denormal, which a probability can round to 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The online softmax of a tile's raw scores: mask past each row's `limit` where the tile
+// reaches it (`masked`, warp-uniform), take the row maxima over the quad in units of
+// scale·log2 e, and rescale O by 2^(m_old - m_new) (`alpha`; the row sums are rescaled in
+// `accumulate_pv`) when a row's maximum moved.
 template <int D>
 __device__ __forceinline__ void online_softmax(float (&s)[PF_KEYS / 8][4], int k0, int tig,
-                                               const int (&limit)[2], float scale,
-                                               float (&m)[2], float (&m_use)[2],
-                                               float (&alpha)[2], float (&o)[D / 8][4]) {
+                                               const int (&limit)[2], bool masked,
+                                               float scale_log2, float (&m)[2],
+                                               float (&m_use)[2], float (&alpha)[2],
+                                               float (&o)[D / 8][4]) {
     constexpr int NT = D / 8;
+    if (masked) {
+#pragma unroll
+        for (int n = 0; n < PF_KEYS / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + n * 8 + tig * 2 + (e & 1);
+                s[n][e] = key < limit[e >> 1] ? s[n][e] : NEG_INF;
+            }
+        }
+    }
     float tile_max[2] = {NEG_INF, NEG_INF};
 #pragma unroll
     for (int n = 0; n < PF_KEYS / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int j = e >> 1;
-            const int key = k0 + n * 8 + tig * 2 + (e & 1);
-            const float v = key < limit[j] ? s[n][e] * scale : NEG_INF;
-            s[n][e] = v;
-            tile_max[j] = fmaxf(tile_max[j], v);
-        }
+        tile_max[0] = fmaxf(tile_max[0], fmaxf(s[n][0], s[n][1]));
+        tile_max[1] = fmaxf(tile_max[1], fmaxf(s[n][2], s[n][3]));
     }
+    bool moved = false;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 1));
         tile_max[j] = fmaxf(tile_max[j], __shfl_xor_sync(0xffffffffu, tile_max[j], 2));
-        const float m_new = fmaxf(m[j], tile_max[j]);
-        // A row with nothing visible yet keeps m = -inf; use 0 so exp() gives 0, not NaN.
+        // The scale is positive, so the largest raw score is the largest scaled one.
+        const float m_new = fmaxf(m[j], tile_max[j] * scale_log2);
+        // A row with nothing visible yet keeps m = -inf; use 0 so exp2() gives 0, not NaN.
         m_use[j] = m_new == NEG_INF ? 0.f : m_new;
-        alpha[j] = __expf(m[j] - m_use[j]);
+        alpha[j] = exp2_ftz(m[j] - m_use[j]);
+        moved |= m_new != m[j];
         m[j] = m_new;
     }
+    // Where no row's maximum moved, alpha is 2^0 = 1 and O stays as it is: in a long
+    // prompt most tiles after the first few.
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        o[n][0] *= alpha[0];
-        o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1];
-        o[n][3] *= alpha[1];
+        for (int n = 0; n < NT; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
     }
 }
 
-// O += P·V for the tile in `sv`, P = exp(S - m_use) rounded to 16 bits; the row sums `l`
-// rescaled by `alpha` and summed.
+// O += P·V for the tile in `sv`, P = 2^(S·scale_log2 - m_use) rounded to 16 bits; the row
+// sums `l` rescaled by `alpha` and summed.
 template <int D>
 __device__ __forceinline__ void accumulate_pv(const u16* sv, const float (&s)[PF_KEYS / 8][4],
-                                              const float (&m_use)[2], const float (&alpha)[2],
-                                              int lane, float (&l)[2], float (&o)[D / 8][4]) {
+                                              float scale_log2, const float (&m_use)[2],
+                                              const float (&alpha)[2], int lane, float (&l)[2],
+                                              float (&o)[D / 8][4]) {
     constexpr int NT = D / 8;
     constexpr int LD = D + PF_PAD;
     // Rescaled here, where it meets the tile's first sum: one fma, as in the kernel before
     // the K/V pipeline, whose output bits this keeps.
     l[0] *= alpha[0];
     l[1] *= alpha[1];
+    // V's B fragments, two n-tiles a load, transposed by ldmatrix: lane l addresses
+    // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
+    const unsigned int vl =
+        smem_addr(sv) + (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8) * 2;
     // P (rounded to 16 bits) as the A operand of P·V, 16 keys per k-step.
 #pragma unroll
     for (int kk = 0; kk < PF_KEYS / 16; ++kk) {
@@ -143,8 +171,10 @@ __device__ __forceinline__ void accumulate_pv(const u16* sv, const float (&s)[PF
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const float* sn = s[2 * kk + half];
-            const float p0 = __expf(sn[0] - m_use[0]), p1 = __expf(sn[1] - m_use[0]);
-            const float p2 = __expf(sn[2] - m_use[1]), p3 = __expf(sn[3] - m_use[1]);
+            const float p0 = exp2_ftz(fmaf(sn[0], scale_log2, -m_use[0]));
+            const float p1 = exp2_ftz(fmaf(sn[1], scale_log2, -m_use[0]));
+            const float p2 = exp2_ftz(fmaf(sn[2], scale_log2, -m_use[1]));
+            const float p3 = exp2_ftz(fmaf(sn[3], scale_log2, -m_use[1]));
             l[0] += p0 + p1;
             l[1] += p2 + p3;
             pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
@@ -152,14 +182,10 @@ __device__ __forceinline__ void accumulate_pv(const u16* sv, const float (&s)[PF
         }
         // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
         const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
-        // V's B fragments, two n-tiles a load, transposed by ldmatrix: lane l addresses
-        // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
-        const u16* vl =
-            &sv[(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8];
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             unsigned int b[4];
-            ldmatrix_x4_trans(b, vl + np * 16);
+            ldmatrix_x4_trans(b, vl + (kk * 16 * LD + np * 16) * 2);
             mma_16816(o[2 * np], pfrag, b[0], b[1]);
             mma_16816(o[2 * np + 1], pfrag, b[2], b[3]);
         }
@@ -221,58 +247,77 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     // Keys any row of the warp sees: warp-uniform, since mma.sync and the shuffles need
     // every lane of the warp.
     int warp_keys = max(limit[0], limit[1]);
+    // Keys every row of the warp sees: tiles below it need no mask.
+    int warp_seen = min(valid[0] ? limit[0] : 0x7fffffff, valid[1] ? limit[1] : 0x7fffffff);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) warp_keys = max(warp_keys, __shfl_xor_sync(0xffffffffu, warp_keys, o));
+    for (int o = 16; o > 0; o >>= 1) {
+        warp_keys = max(warp_keys, __shfl_xor_sync(0xffffffffu, warp_keys, o));
+        warp_seen = min(warp_seen, __shfl_xor_sync(0xffffffffu, warp_seen, o));
+    }
+    const float scale_log2 = a.scale * 1.4426950408889634f;
 
     // K and V tiles load on a pipeline of two half-steps: V(i) lands while S(i) and its
     // softmax are computed, and K(i + 1) while P·V(i) is.
     constexpr int CHUNKS = PF_KEYS * (D / 8) / PF_THREADS;
-    // A thread's keys of a tile are k0 + first + STEP·i (`KeyWalk`; dividing by the block
-    // size for each key, with each table load's use right behind it, was most of the
-    // kernel's stalls), every table load of a tile in flight before the first is used.
     constexpr int STEP = PF_THREADS / (D / 8);
     static_assert(PF_THREADS % (D / 8) == 0, "a thread's chunks share their columns");
-    const int first = tid / (D / 8), last_block = (tile_keys - 1) / a.block_size;
-    const int tile_q = PF_KEYS / a.block_size, tile_r = PF_KEYS % a.block_size;
-    KeyWalk tile_walk(first, STEP, a.block_size);  // at key k0 + first of the next lookup
-    const auto lookup = [&](int k0, int (&slot)[CHUNKS]) {
-        int block[CHUNKS];
-        KeyWalk walk = tile_walk;
-#pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
-            block[i] = table[min(walk.q, last_block)];
+    static_assert(PF_THREADS >= PF_KEYS, "a tile's keys are looked up a thread each");
+    // A tile's keys are looked up once, a thread a key, into `key_row`: the key's row in the
+    // K and V caches, in 16-byte units from the cache's start (the host keeps a layer's
+    // cache below 64 GiB), laid out so that a copying thread's keys first + STEP·i lie
+    // together. Two buffers: tile i + 1's are written while tile i's V copy may still
+    // read its own. Thread `tid` takes key k0 + tid (`KeyWalk`: dividing by the block size
+    // for each key, with each table load's use right behind it, was most of the kernel's
+    // stalls). A key past `tile_keys` reads the row of an earlier key of the sequence
+    // instead: it is masked for every row, so its p is 0 and its finite K and V add nothing.
+    __shared__ __align__(16) unsigned int key_row[2][PF_KEYS];
+    const int last_block = (tile_keys - 1) / a.block_size;
+    const unsigned int row_units = (unsigned int)(kv_row * sizeof(scalar_t) / 16);
+    KeyWalk walk(tid, PF_KEYS, a.block_size);
+    const auto lookup = [&](int k0, int buf) {
+        if (tid < PF_KEYS) {
+            const bool in = k0 + tid < tile_keys;
+            const int block = table[min(walk.q, last_block)];
+            const unsigned int slot = block * a.block_size + (in ? walk.r : 0);
+            key_row[buf][(tid % STEP) * CHUNKS + tid / STEP] = slot * row_units;
             walk.next();
         }
-        walk = tile_walk;
-#pragma unroll
-        for (int i = 0; i < CHUNKS; ++i) {
-            const int p = k0 + first + STEP * i;
-            slot[i] = p < tile_keys ? block[i] * a.block_size + walk.r : -1;
-            walk.next();
-        }
-        tile_walk.by(tile_q, tile_r);
     };
-    // Past the keys: zeros, read from the cache's first row (any valid address).
-    // An empty group where there is no next tile keeps the waits' counts uniform. A
-    // thread copies the same 8 columns `d` of each of its keys (tile rows first + STEP·i).
-    const int d = (tid % (D / 8)) * 8;
-    const auto copy = [&](bool issue, u16* dst, const scalar_t* cache,
-                          const int (&slot)[CHUNKS]) {
+    // A thread copies the same 8 columns `d` of its keys first + STEP·i. An empty group
+    // where there is no next tile keeps the waits' counts uniform.
+    const int first = tid / (D / 8), d = (tid % (D / 8)) * 8;
+    const char* k_column = reinterpret_cast<const char*>(a.key_cache + (long long)kvh * D + d);
+    const char* v_column = reinterpret_cast<const char*>(a.value_cache + (long long)kvh * D + d);
+    const auto copy = [&](bool issue, u16* dst, const char* column, int buf) {
+        if (!issue) {
+            cp_async_commit();
+            return;
+        }
+        unsigned int row[CHUNKS];
+        if constexpr (CHUNKS % 4 == 0) {
 #pragma unroll
-        for (int i = 0; i < CHUNKS && issue; ++i) {
-            const int kr = first + STEP * i;
-            const long long off = (slot[i] < 0 ? 0 : slot[i] * kv_row) + (long long)kvh * D + d;
-            cp_async16(&dst[kr * LD + d], cache + off, slot[i] < 0 ? 0 : 16);
+            for (int i = 0; i < CHUNKS; i += 4) {
+                const uint4 r4 = *reinterpret_cast<const uint4*>(&key_row[buf][first * CHUNKS + i]);
+                row[i] = r4.x, row[i + 1] = r4.y, row[i + 2] = r4.z, row[i + 3] = r4.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < CHUNKS; ++i) row[i] = key_row[buf][first * CHUNKS + i];
+        }
+        const unsigned int at = smem_addr(&dst[first * LD + d]);
+#pragma unroll
+        for (int i = 0; i < CHUNKS; ++i) {
+            cp_async16(at + STEP * i * LD * 2, column + (unsigned long long)row[i] * 16);
         }
         cp_async_commit();
     };
-    int slot[CHUNKS];
-    lookup(0, slot);
-    copy(true, sk, a.key_cache, slot);
-    copy(true, sv, a.value_cache, slot);
-    for (int k0 = 0; k0 < tile_keys; k0 += PF_KEYS) {
+    lookup(0, 0);
+    __syncthreads();
+    copy(true, sk, k_column, 0);
+    copy(true, sv, v_column, 0);
+    for (int k0 = 0, buf = 1; k0 < tile_keys; k0 += PF_KEYS, buf ^= 1) {
         const bool more = k0 + PF_KEYS < tile_keys;
-        if (more) lookup(k0 + PF_KEYS, slot);
+        if (more) lookup(k0 + PF_KEYS, buf);
         cp_async_wait<1>();  // K(i); V(i) may be in flight
         __syncthreads();
         // Every key of this tile is masked for the warp: it only takes part in the copies.
@@ -282,17 +327,18 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
         float m_use[2], alpha[2];
         if (!skip) {
             tile_scores<D>(sk, qa, lane, s);
-            online_softmax<D>(s, k0, tig, limit, a.scale, m, m_use, alpha, o);
+            online_softmax<D>(s, k0, tig, limit, k0 + PF_KEYS > warp_seen, scale_log2, m,
+                              m_use, alpha, o);
         }
         __syncthreads();  // every warp is done with K(i)
-        copy(more, sk, a.key_cache, slot);
+        copy(more, sk, k_column, buf);
         cp_async_wait<1>();  // V(i); K(i + 1) may be in flight
         __syncthreads();
         if (!skip) {
-            accumulate_pv<D>(sv, s, m_use, alpha, lane, l, o);
+            accumulate_pv<D>(sv, s, scale_log2, m_use, alpha, lane, l, o);
         }
         __syncthreads();  // every warp is done with V(i)
-        copy(more, sv, a.value_cache, slot);
+        copy(more, sv, v_column, buf);
     }
 
     // Normalise by the row sums (summed over the quad) and store.

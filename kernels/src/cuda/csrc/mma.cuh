@@ -25,20 +25,22 @@ __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     return a;
 }
 
-// Four 8x8 matrices of 16-bit elements: lane l gives the address of row l % 8 of matrix
-// l / 8, and receives in r[i] its fragment of matrix i (row l / 4, elements 2(l % 4), +1).
-__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], const void* p) {
+// Four 8x8 matrices of 16-bit elements: lane l gives the shared address (`smem_addr`) of
+// row l % 8 of matrix l / 8, and receives in r[i] its fragment of matrix i (row l / 4,
+// elements 2(l % 4), +1). A shared address, not a generic pointer: a loop's loads are
+// then one base register plus constant offsets.
+__device__ __forceinline__ void ldmatrix_x4(unsigned int (&r)[4], unsigned int addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
 
 // The same with each matrix transposed: lane l receives elements (2(l % 4), l / 4) and
 // (2(l % 4) + 1, l / 4) of matrix i, the B fragment of a row-major [k][n] tile.
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], unsigned int addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
 
 // 16 bytes from global to shared memory without a register round trip; `src_bytes` of 0
@@ -46,6 +48,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned int (&r)[4], const vo
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+
+// 16 bytes to a shared address (`smem_addr`), all of them read.
+__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }

@@ -77,7 +77,7 @@ def main():
         hf_first, hf_tokens, hf_rows, eager_tokens = transformers_side(folder, name, prompts, tdtype)
         print(f"transformers {dtype}: load + run {time.time() - t0:.0f}s", flush=True)
         runs, startup = ours(args.bin, args.gguf, 1, port, prompts,
-                             os.path.join(args.work, f"serve-{dtype}.log"), dtype)
+                             os.path.join(args.work, f"serve-{dtype}.log"), dtype, [])
         our_tokens, our_tops = [r[0] for r in runs], [r[1] for r in runs]
         print(f"vllm-rs {dtype}: serve -> /health 200 in {startup:.1f}s", flush=True)
         first_diff = max(max(abs(v - hf_first[i][t]) for t, v in our_tops[i][0].items())

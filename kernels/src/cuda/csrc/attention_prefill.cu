@@ -28,11 +28,9 @@ struct KeyWalk {
     __device__ __forceinline__ KeyWalk(int k, int step, int block_size)
         : q(k / block_size), r(k % block_size), step_q(step / block_size),
           step_r(step % block_size), bs(block_size) {}
-    __device__ __forceinline__ void next() { by(step_q, step_r); }
-    // Moves by dq blocks and dr < bs keys.
-    __device__ __forceinline__ void by(int dq, int dr) {
-        q += dq;
-        r += dr;
+    __device__ __forceinline__ void next() {
+        q += step_q;
+        r += step_r;
         if (r >= bs) {
             r -= bs;
             ++q;

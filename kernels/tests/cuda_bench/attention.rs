@@ -61,7 +61,7 @@ pub(super) fn attention(dev: &CudaDevice, ops: &CudaOps) {
 fn decode_attention() {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
-    let ragged: Vec<i32> = (0..256).map(|i| 100 + (i * 379) % 924).collect();
+    let ragged = spread(256, 100, 1023);
     let big = [2048, 1024, 512, 256, 128];
     let cases: [(Vec<i32>, &[usize]); 3] = [
         (vec![601; 256], &big),
@@ -84,11 +84,6 @@ fn decode_attention() {
 fn decode_attention_late() {
     let Some(dev) = common::device() else { return };
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
-    let spread = |n: usize, lo: i32, hi: i32| -> Vec<i32> {
-        (0..n as i32)
-            .map(|i| lo + (i * 379) % (hi - lo + 1))
-            .collect()
-    };
     for lens in [
         spread(192, 300, 1_600),
         spread(128, 600, 1_900),
@@ -123,7 +118,7 @@ fn decode_attention_mid() {
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     let partitions = [2048, 1024, 512, 256];
     for seqs in [64, 72, 88, 104, 128] {
-        let lens = nanovllm_batch(seqs, 100 + 924 * (256 - seqs) / 256);
+        let lens = nanovllm_batch(seqs, 100 + 924 * (256 - seqs as i32) / 256);
         decode_plan_rows(&dev, &ops, "decode_mid", lens, &partitions, false);
     }
 }
@@ -141,15 +136,15 @@ fn decode_attention_empty_partitions() {
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     for _ in 0..4 {
         for seqs in [256, 192, 128, 104, 88, 72] {
-            let lens = nanovllm_batch(seqs, 924 * (256 - seqs) / 256);
+            let lens = nanovllm_batch(seqs, 924 * (256 - seqs as i32) / 256);
             decode_plan_rows(&dev, &ops, "decode_empty", lens, &[2048], false);
         }
     }
 }
 
 /// The lengths of `seqs` sequences, `step` tokens past prompts spread over 100–1,023.
-fn nanovllm_batch(seqs: i32, step: i32) -> Vec<i32> {
-    (0..seqs).map(|i| step + 100 + (i * 379) % 924).collect()
+fn nanovllm_batch(seqs: usize, step: i32) -> Vec<i32> {
+    spread(seqs, step + 100, step + 1023)
 }
 
 /// One `BENCH <bench>` row per (model, plan) for sequences of `lens` keys: the planned
@@ -236,7 +231,10 @@ fn prefill_attention() {
     let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
     // `VLLM_BENCH_CASE`: only the row of that name (one row under ncu).
     let only = std::env::var("VLLM_BENCH_CASE").unwrap_or_default();
-    let nanovllm: Vec<(usize, usize)> = (0..14).map(|i| (100 + (i * 379) % 924, 0)).collect();
+    let nanovllm: Vec<(usize, usize)> = spread(14, 100, 1023)
+        .iter()
+        .map(|&n| (n as usize, 0))
+        .collect();
     for (name, seqs) in [
         ("14 prompts of 100-1,023", nanovllm),
         ("1 prompt of 8,192", vec![(8192, 0)]),

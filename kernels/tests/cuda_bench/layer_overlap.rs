@@ -159,9 +159,7 @@ fn dual_batch_overlap() {
             Some((lo.parse::<i32>().ok()?, hi.parse::<i32>().ok()?))
         })
         .unwrap_or((100, 1023));
-    let lens: Vec<i32> = (0..SEQS as i32)
-        .map(|i| lo + (i * 379) % (hi - lo + 1))
-        .collect();
+    let lens = spread(SEQS, lo, hi);
     let half =
         |parity: usize| -> Vec<i32> { lens.iter().copied().skip(parity).step_by(2).collect() };
     let mut full = LayerBatch::new(&dev, &ops, lens.clone());

@@ -90,6 +90,14 @@ fn report(what: &str, seconds: f64, bytes: f64) {
     );
 }
 
+/// `n` sequence lengths spread over lo..=hi by a fixed stride (nanovllm-256's prompts are
+/// `spread(256, 100, 1023)`), the same every run.
+fn spread(n: usize, lo: i32, hi: i32) -> Vec<i32> {
+    (0..n as i32)
+        .map(|i| lo + (i * 379) % (hi - lo + 1))
+        .collect()
+}
+
 /// Random values in [-1, 1).
 fn random_values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;

@@ -52,6 +52,13 @@ const DEC_MAX_SHARED: usize = 36 * 1024;
 /// The widest (padded) group whose decode blocks keep i32 slots (attention_decode.cu,
 /// `KeySlots`).
 const DEC_COMPACT_MAX_GROUP: usize = 2;
+/// The fewest decode sequences (by their bucket, so that a graph and the eager step of
+/// the same batch agree) for which the group of 8 runs its kernel capped at four blocks an
+/// SM (`_g8_occ4`: 128 registers and a 32-byte stack at d128, against 163 and three
+/// blocks). One layer of Qwen3-8B-sized heads at 64 q heads on an H100 (`cuda_bench
+/// decode_attention_late`, µs, uncapped → capped): 192 × 947 keys 479 → 432, 32 × 1,617
+/// 170 → 149, 8 × 1,699 62 → 45, but 4 × 1,318 24.6 → 27.7 and one sequence 3–6 % slower.
+const DEC_G8_FOUR_BLOCKS_MIN_BUCKET: usize = 8;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
@@ -368,6 +375,12 @@ impl AttentionPlan {
         decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
     }
 
+    /// Whether the decode kernel is the group of 8's capped at four blocks an SM.
+    pub fn decode_four_blocks_an_sm(&self) -> bool {
+        self.decode_group == 8
+            && decode_bucket(self.decode_seqs.len()) >= DEC_G8_FOUR_BLOCKS_MIN_BUCKET
+    }
+
     /// Index of the decode kernel for `decode_group` (1, 2, 4, 8 → 0..3).
     pub fn decode_group_index(&self) -> usize {
         self.decode_group.trailing_zeros() as usize
@@ -611,6 +624,19 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_group_of_8_takes_its_capped_kernel_from_a_bucket_of_8() {
+        let plan = |seqs: usize, hq| {
+            let qsl: Vec<i32> = (0..=seqs as i32).collect();
+            AttentionPlan::new(&qsl, &vec![1500; seqs], hq, 8, 132, FLASH).unwrap()
+        };
+        // Five sequences pad to the bucket of 8, as their graph does; four stay uncapped.
+        assert!(!plan(4, 64).decode_four_blocks_an_sm());
+        assert!(plan(5, 64).decode_four_blocks_an_sm());
+        assert!(plan(200, 40).decode_four_blocks_an_sm()); // a group of 5, padded to 8
+        assert!(!plan(200, 32).decode_four_blocks_an_sm()); // a group of 4
     }
 
     #[test]

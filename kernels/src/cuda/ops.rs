@@ -914,7 +914,11 @@ impl CudaOps {
                 shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
             };
             let g = plan.decode_group_index();
-            let func = &self.f.paged_attention_decode[d_index][g];
+            let func = if plan.decode_four_blocks_an_sm() {
+                &self.f.paged_attention_decode_g8_occ4[d_index]
+            } else {
+                &self.f.paged_attention_decode[d_index][g]
+            };
             // SAFETY: buffer sizes checked by `paged_attention`; block tables and seq_lens
             // are checked on the host by the caller, which holds their host copies.
             launch!(unsafe self, func => "paged_attention_decode", cfg; &args)?;

@@ -167,6 +167,10 @@ fn paged_attention_matches_cpu() {
         attention_case(&c, &mut r, &decodes, 32, 8, 128, 16);
         attention_case(&c, &mut r, &decodes, 64, 8, 128, 16);
         attention_case(&c, &mut r, &[(2500, 1)], 32, 8, 128, 16);
+        // Batches of 8 and more at the group of 8 take its kernel capped at four blocks an
+        // SM (`decode_four_blocks_an_sm`), also for Qwen3-14B's group of 5.
+        attention_case(&c, &mut r, &batch[..12], 64, 8, 128, 16);
+        attention_case(&c, &mut r, &batch, 40, 8, 128, 16);
         // One sequence short enough for batch 1's shortest partitions (32 keys), at groups
         // 4 and 8 and an odd block size.
         attention_case(&c, &mut r, &[(700, 1)], 32, 8, 128, 16);

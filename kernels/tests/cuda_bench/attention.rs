@@ -218,8 +218,8 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Prefill attention (the tensor-core tiles of `paged_attention_prefill`): nanovllm-256's
-/// prefill step (14 prompts of 100–1,023 tokens, ~8,000), one long prompt, and a chunk
-/// after a cached prefix, at Qwen3-0.6B's and Qwen3-8B's heads (8 kv heads of 128). Each
+/// prefill step (14 prompts of 100–1,023 tokens, ~8,000), one long prompt, and chunks
+/// after cached prefixes, at Qwen3-0.6B's and Qwen3-8B's heads (8 kv heads of 128). Each
 /// row prints µs a call, TFLOP/s (causal: 4·D FLOPs a q head and visible key), and the
 /// largest difference from the CUDA-core kernel's output (f32 math, unrounded P).
 ///
@@ -239,6 +239,9 @@ fn prefill_attention() {
         ("14 prompts of 100-1,023", nanovllm),
         ("1 prompt of 8,192", vec![(8192, 0)]),
         ("2,048 after 6,144 cached", vec![(2048, 6144)]),
+        // A 32,768-token prompt's last chunk, and a chat turn after a cached conversation.
+        ("8,192 after 24,576 cached", vec![(8192, 24576)]),
+        ("512 after 3,584 cached", vec![(512, 3584)]),
     ] {
         for (model, hq) in [("0.6B", HQ), ("8B", 32)] {
             let what = format!("{model} {name}");

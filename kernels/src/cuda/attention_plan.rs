@@ -375,7 +375,8 @@ impl AttentionPlan {
         decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
     }
 
-    /// Whether the decode kernel is the group of 8's capped at four blocks an SM.
+    /// Whether the decode kernel is the group of 8's capped at four blocks an SM (at head
+    /// size 128, the one it is built for).
     pub fn decode_four_blocks_an_sm(&self) -> bool {
         self.decode_group == 8
             && decode_bucket(self.decode_seqs.len()) >= DEC_G8_FOUR_BLOCKS_MIN_BUCKET

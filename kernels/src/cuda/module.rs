@@ -45,8 +45,8 @@ pub struct Functions<F = CudaFunction> {
     pub paged_attention_combine: F,
     /// The decode kernel by head size (16, 32, 64, 128), then GQA group (1, 2, 4, 8).
     pub paged_attention_decode: [[F; 4]; 4],
-    /// The group of 8's decode kernel for large grids (four blocks an SM), by head size.
-    pub paged_attention_decode_g8_occ4: [F; 4],
+    /// The group of 8's decode kernel at head size 128 for large grids (four blocks an SM).
+    pub paged_attention_decode_d128_g8_occ4: F,
     pub paged_attention_decode_combine: F,
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
     pub paged_attention_prefill: Option<[F; 4]>,
@@ -109,9 +109,7 @@ impl<F> Functions<F> {
                     f(&format!("paged_attention_decode_d{d}_g{g}"))
                 })
             })?,
-            paged_attention_decode_g8_occ4: family(HEAD_DIMS, |d| {
-                f(&format!("paged_attention_decode_d{d}_g8_occ4"))
-            })?,
+            paged_attention_decode_d128_g8_occ4: f("paged_attention_decode_d128_g8_occ4")?,
             paged_attention_decode_combine: f("paged_attention_decode_combine")?,
             paged_attention_prefill: match dtype {
                 DType::F32 => None,

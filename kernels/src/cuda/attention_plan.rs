@@ -53,9 +53,9 @@ const DEC_MAX_SHARED: usize = 36 * 1024;
 /// `KeySlots`).
 const DEC_COMPACT_MAX_GROUP: usize = 2;
 /// The fewest decode sequences (by their bucket, so that a graph and the eager step of
-/// the same batch agree) for which the group of 8 runs its kernel capped at four blocks an
-/// SM (`_g8_occ4`: 128 registers and a 32-byte stack at d128, against 163 and three
-/// blocks). One layer of Qwen3-8B-sized heads at 64 q heads on an H100 (`cuda_bench
+/// the same batch agree) for which the group of 8 at head size 128 runs its kernel capped
+/// at four blocks an SM (`_d128_g8_occ4`: 128 registers and a 32-byte stack, against 163
+/// and three blocks). One layer of 64 q / 8 kv heads on an H100 (`cuda_bench
 /// decode_attention_late`, µs, uncapped → capped): 192 × 947 keys 479 → 432, 32 × 1,617
 /// 170 → 149, 8 × 1,699 62 → 45, but 4 × 1,318 24.6 → 27.7 and one sequence 3–6 % slower.
 const DEC_G8_FOUR_BLOCKS_MIN_BUCKET: usize = 8;
@@ -375,10 +375,11 @@ impl AttentionPlan {
         decode_shared_bytes(self.decode_smem_partition, self.decode_group, head_dim)
     }
 
-    /// Whether the decode kernel is the group of 8's capped at four blocks an SM (at head
-    /// size 128, the one it is built for).
-    pub fn decode_four_blocks_an_sm(&self) -> bool {
+    /// Whether the decode kernel at `head_dim` is the group of 8's capped at four blocks an
+    /// SM (built, and measured, at head size 128 only).
+    pub fn decode_four_blocks_an_sm(&self, head_dim: usize) -> bool {
         self.decode_group == 8
+            && head_dim == 128
             && decode_bucket(self.decode_seqs.len()) >= DEC_G8_FOUR_BLOCKS_MIN_BUCKET
     }
 
@@ -634,10 +635,11 @@ mod tests {
             AttentionPlan::new(&qsl, &vec![1500; seqs], hq, 8, 132, FLASH).unwrap()
         };
         // Five sequences pad to the bucket of 8, as their graph does; four stay uncapped.
-        assert!(!plan(4, 64).decode_four_blocks_an_sm());
-        assert!(plan(5, 64).decode_four_blocks_an_sm());
-        assert!(plan(200, 40).decode_four_blocks_an_sm()); // a group of 5, padded to 8
-        assert!(!plan(200, 32).decode_four_blocks_an_sm()); // a group of 4
+        assert!(!plan(4, 64).decode_four_blocks_an_sm(128));
+        assert!(plan(5, 64).decode_four_blocks_an_sm(128));
+        assert!(plan(200, 40).decode_four_blocks_an_sm(128)); // a group of 5, padded to 8
+        assert!(!plan(200, 32).decode_four_blocks_an_sm(128)); // a group of 4
+        assert!(!plan(200, 64).decode_four_blocks_an_sm(64)); // no capped kernel at d64
     }
 
     #[test]

@@ -914,7 +914,7 @@ impl CudaOps {
                 shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
             };
             let g = plan.decode_group_index();
-            let func = if plan.decode_four_blocks_an_sm() && dims.head_dim == 128 {
+            let func = if plan.decode_four_blocks_an_sm(dims.head_dim) {
                 &self.f.paged_attention_decode_d128_g8_occ4
             } else {
                 &self.f.paged_attention_decode[d_index][g]

@@ -12,7 +12,8 @@
 // so per-thread arrays hold only the group's heads. Registers decide how many blocks an
 // SM holds, and with them how many bytes are in flight: a kernel sized for the widest
 // group, which also read the block table before every K and V load, ran Qwen3-0.6B's
-// group of 2 at 1.2 TB/s; this one reaches 2.6 TB/s (docs/BENCHMARKS.md).
+// group of 2 at 1.2 TB/s; this one reaches 2.6 TB/s (docs/BENCHMARKS.md). The group of 8
+// at head size 128 has a second entry point for large grids, below.
 //
 // (A one-pass kernel with an online softmax, K and V of a key loaded together, ran batches
 // of 1 to 8 until this one beat it at every batch and length the bench measured, but for
@@ -482,9 +483,8 @@ DECODE_KERNELS(32)
 DECODE_KERNELS(64)
 DECODE_KERNELS(128)
 
-// The group of 8 at head size 128 for grids of many blocks, capped at four blocks an SM
-// (the uncapped kernel takes 163 registers, three blocks). Only this head size is
-// measured; the others' capped builds spill too.
+// The group of 8 at head size 128, capped at four blocks an SM for grids of many blocks
+// (when the host takes it, and why: `AttentionPlan::decode_four_blocks_an_sm`).
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 4)
     paged_attention_decode_d128_g8_occ4(DecodeArgs a) {
     paged_attention_decode_impl<128, 8>(a);

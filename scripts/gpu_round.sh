@@ -13,6 +13,8 @@
 #                                     sequences: each grid's plan against fixed partitions)
 #                                     decode-mid (decode attention at nanovllm-256's batches of
 #                                     64-128: the plan against fixed partitions)
+#                                     decode-q-split (decode attention with each kv head's q heads
+#                                     split over 1-8 blocks, the TP ranks' heads too)
 #                                     long-context (TPOT at those batches; BASE_BIN alternates)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
@@ -519,6 +521,7 @@ for s in $STAGES; do
     gemm-bench) stage gemm-bench "$G/cuda_bench" decode_gemms --ignored --nocapture ;;
     decode-late) stage decode-late "$G/cuda_bench" decode_attention_late --ignored --nocapture ;;
     decode-mid) stage decode-mid "$G/cuda_bench" decode_attention_mid --ignored --nocapture ;;
+    decode-q-split) stage decode-q-split "$G/cuda_bench" decode_attention_q_split --ignored --nocapture ;;
     long-context) stage long-context long_context ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;

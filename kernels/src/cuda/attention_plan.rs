@@ -53,12 +53,18 @@ const DEC_MAX_SHARED: usize = 36 * 1024;
 /// `KeySlots`).
 const DEC_COMPACT_MAX_GROUP: usize = 2;
 /// The fewest decode sequences (by their bucket, so that a graph and the eager step of
-/// the same batch agree) for which the group of 8 at head size 128 runs its kernel capped
+/// the same batch agree) for which blocks of 8 q heads (a group of 5 to 7 padded to 8, or
+/// of 8 where `decode_q_split` leaves it whole) at head size 128 run their kernel capped
 /// at four blocks an SM (`_d128_g8_occ4`: 128 registers and a 32-byte stack, against 163
 /// and three blocks). One layer of 64 q / 8 kv heads on an H100 (`cuda_bench
 /// decode_attention_late`, µs, uncapped → capped): 192 × 947 keys 479 → 432, 32 × 1,617
 /// 170 → 149, 8 × 1,699 62 → 45, but 4 × 1,318 24.6 → 27.7 and one sequence 3–6 % slower.
 const DEC_G8_FOUR_BLOCKS_MIN_BUCKET: usize = 8;
+/// The most (sequence, kv head) pairs of a bucket at which a group of 4 splits into blocks
+/// of two q heads, and a group of 8 into blocks of two rather than four.
+const DEC_SPLIT_SMALL_MAX_PAIRS: usize = 32;
+/// The most pairs at which a group of 8 splits at all.
+const DEC_G8_SPLIT_MAX_PAIRS: usize = 512;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
@@ -109,8 +115,12 @@ pub struct AttentionPlan {
     pub split_keys: usize,
     /// Sequences with one query token, run by the decode kernel.
     pub decode_seqs: Vec<i32>,
-    /// The GQA group rounded up to a power of two: which decode kernel runs.
+    /// The q heads of a decode block (its kv head's GQA group over `decode_q_split`),
+    /// rounded up to a power of two: which decode kernel runs.
     pub decode_group: usize,
+    /// Decode blocks per kv head (a power of two), each taking an equal run of the
+    /// group's q heads.
+    pub decode_q_split: usize,
     /// Keys per decode partition, and partitions of the longest decode sequence (the
     /// grid's partition count, past the longest sequence for a fixed grid).
     pub decode_partition: usize,
@@ -289,6 +299,7 @@ impl AttentionPlan {
             split_keys: i32::MAX as usize,
             decode_seqs: Vec::new(),
             decode_group: group.next_power_of_two(),
+            decode_q_split: 1,
             decode_partition: DEC_PARTITION,
             decode_partitions: 0,
             decode_smem_partition: DEC_PARTITION,
@@ -329,8 +340,12 @@ impl AttentionPlan {
             (plan.num_splits, plan.split_keys) =
                 cuda_core_splits(plan.num_tiles() * num_kv_heads, max_tile_keys, num_sms);
         }
-        if !plan.decode_seqs.is_empty() && plan.tile_seq.is_empty() {
-            let bucket = decode_bucket(plan.decode_seqs.len());
+        if plan.decode_seqs.is_empty() {
+            return Ok(plan);
+        }
+        let bucket = decode_bucket(plan.decode_seqs.len());
+        plan.split_decode_group(group, decode_q_split(group, bucket, num_kv_heads))?;
+        if plan.tile_seq.is_empty() {
             let grid = DecodeGrid::for_bucket(bucket, num_q_heads, num_kv_heads, num_sms);
             if let Some((grid, p)) = grid
                 .and_then(|g| Some((g, g.partition_for(max_decode_keys, plan.decode_seqs.len())?)))
@@ -341,31 +356,28 @@ impl AttentionPlan {
                 return Ok(plan);
             }
         }
-        if !plan.decode_seqs.is_empty() {
-            let blocks = plan.decode_seqs.len() * num_kv_heads;
-            let mut partition = DEC_PARTITION;
-            // Halve the partition while the blocks would leave SMs idle (few, long decodes).
-            while partition > DEC_MIN_PARTITION
-                && blocks * max_decode_keys.div_ceil(partition) < 2 * num_sms
-                && max_decode_keys > partition
-            {
-                partition /= 2;
-            }
-            // Double it while the batch alone fills every SM several times (the largest
-            // head size bounds the shared memory).
-            let max_head_dim = HEAD_DIMS[HEAD_DIMS.len() - 1];
-            while blocks >= 4 * num_sms
-                && max_decode_keys > partition
-                && partition < DEC_MAX_PARTITION
-                && decode_shared_bytes(2 * partition, plan.decode_group, max_head_dim)
-                    <= DEC_MAX_SHARED
-            {
-                partition *= 2;
-            }
-            plan.decode_partition = partition;
-            plan.decode_partitions = max_decode_keys.div_ceil(partition).max(1);
-            plan.decode_smem_partition = partition;
+        let blocks = plan.decode_seqs.len() * num_kv_heads * plan.decode_q_split;
+        let mut partition = DEC_PARTITION;
+        // Halve the partition while the blocks would leave SMs idle (few, long decodes).
+        while partition > DEC_MIN_PARTITION
+            && blocks * max_decode_keys.div_ceil(partition) < 2 * num_sms
+            && max_decode_keys > partition
+        {
+            partition /= 2;
         }
+        // Double it while the batch alone fills every SM several times (the largest
+        // head size bounds the shared memory).
+        let max_head_dim = HEAD_DIMS[HEAD_DIMS.len() - 1];
+        while blocks >= 4 * num_sms
+            && max_decode_keys > partition
+            && partition < DEC_MAX_PARTITION
+            && decode_shared_bytes(2 * partition, plan.decode_group, max_head_dim) <= DEC_MAX_SHARED
+        {
+            partition *= 2;
+        }
+        plan.decode_partition = partition;
+        plan.decode_partitions = max_decode_keys.div_ceil(partition).max(1);
+        plan.decode_smem_partition = partition;
         Ok(plan)
     }
 
@@ -386,6 +398,49 @@ impl AttentionPlan {
     /// Index of the decode kernel for `decode_group` (1, 2, 4, 8 → 0..3).
     pub fn decode_group_index(&self) -> usize {
         self.decode_group.trailing_zeros() as usize
+    }
+
+    /// Runs each kv head's group of `group` q heads as `split` blocks of `group / split`
+    /// (the kernel and its shared memory are those of the smaller group).
+    pub fn split_decode_group(&mut self, group: usize, split: usize) -> Result<()> {
+        ensure!(
+            split.is_power_of_two() && group.is_multiple_of(split),
+            "attention: a group of {group} q heads does not split into {split}"
+        );
+        self.decode_q_split = split;
+        self.decode_group = (group / split).next_power_of_two();
+        Ok(())
+    }
+}
+
+/// Decode blocks per kv head for a GQA group of `group` q heads at `bucket` sequences:
+/// blocks of fewer q heads run shorter (fewer registers, more blocks an SM), and the
+/// second read of their keys mostly hits L2, as a kv head's blocks are neighbours in the
+/// grid; at large batches the whole group's block wins again. Chosen by the bucket, so
+/// that a graph and the eager step of a batch agree. On an H100 (`cuda_bench
+/// decode_attention_q_split`, one layer, µs, whole group → split; docs/BENCHMARKS.md):
+/// - a group of 8 (Llama-3.1-70B, Qwen3-32B) as four blocks of 2 while the bucket has
+///   few (sequence, kv head) pairs, then as two blocks of 4: the 70B's TP=4 rank (2 kv
+///   heads) 1 × 384 keys 8.99 → 5.92, 8 × 1,892 23.7 → 20.8, 64 × 1,981 80.8 → 72.7,
+///   256 × 1,021 110.0 → 105.0; at 8 kv heads 1 × 384 10.39 → 7.57, 32 × 1,993 151.8 →
+///   141.5, but 256 × 1,021 352.7 → 358.0;
+/// - a group of 4 (Qwen3-8B, Llama-3.1-8B) as two blocks of 2 at few pairs: 1 × 384
+///   7.57 → 6.70, 4 × 1,758 17.3 → 15.0; at a TP=4 rank 16 × 1,958 18.6 → 17.1. From
+///   128 sequences it loses 5–7 %, and Qwen3-8B's TPOT at 32 × 1,000-token prompts was
+///   10.65 → 10.90 ms split.
+///
+/// In the model, TP=4 on four H100s: the 70B shape 14.06 → 13.83 ms a token, Qwen3-8B
+/// 2.10 → 2.07. A group of 2 (Qwen3-0.6B) stays whole: as two blocks of one q head it
+/// gained 0.4 µs at 1 × 384 but nothing at 1 × 1,000 (its TPOT 0.98 → 1.00 ms at
+/// 1,000-token prompts), and from 8 sequences lost 3–8 %. Groups that are not powers of
+/// two stay whole.
+fn decode_q_split(group: usize, bucket: usize, num_kv_heads: usize) -> usize {
+    let pairs = bucket * num_kv_heads;
+    match group {
+        4 if pairs <= DEC_SPLIT_SMALL_MAX_PAIRS => 2,
+        8 if pairs <= DEC_SPLIT_SMALL_MAX_PAIRS => 4,
+        8 if pairs <= DEC_G8_SPLIT_MAX_PAIRS => 2,
+        _ => 1,
     }
 }
 
@@ -469,10 +524,11 @@ mod tests {
         assert!(p.decode_partition < DEC_PARTITION);
         assert_eq!(p.decode_partitions, 8000usize.div_ceil(p.decode_partition));
         assert_eq!(p.decode_smem_partition, p.decode_partition);
-        // At one kv head, hundreds of partitions, more than any fixed grid has
-        // (`cuda_kernels paged_attention_matches_cpu` runs this step).
+        // At one kv head (its group of 8 in four blocks), more partitions than any fixed
+        // grid has (`cuda_kernels paged_attention_matches_cpu` runs this step).
         let p = AttentionPlan::new(&[0, 1, 6], &[9001, 5], 8, 1, 132, FLASH).unwrap();
-        assert_eq!((p.decode_partition, p.decode_partitions), (32, 282));
+        assert_eq!(p.decode_q_split, 4);
+        assert_eq!((p.decode_partition, p.decode_partitions), (128, 71));
         // A batch that fills every SM several times runs each sequence in one block.
         let qsl = decodes_and_a_prefill(256);
         let lens = |n: i32| [vec![n; 256], vec![4]].concat();
@@ -629,17 +685,49 @@ mod tests {
     }
 
     #[test]
-    fn the_group_of_8_takes_its_capped_kernel_from_a_bucket_of_8() {
+    fn blocks_of_eight_q_heads_take_the_capped_kernel_from_a_bucket_of_8() {
         let plan = |seqs: usize, hq| {
             let qsl: Vec<i32> = (0..=seqs as i32).collect();
             AttentionPlan::new(&qsl, &vec![1500; seqs], hq, 8, 132, FLASH).unwrap()
         };
-        // Five sequences pad to the bucket of 8, as their graph does; four stay uncapped.
-        assert!(!plan(4, 64).decode_four_blocks_an_sm(128));
-        assert!(plan(5, 64).decode_four_blocks_an_sm(128));
-        assert!(plan(200, 40).decode_four_blocks_an_sm(128)); // a group of 5, padded to 8
+        // Qwen3-14B's group of 5, padded to 8: five sequences pad to the bucket of 8, as
+        // their graph does; four stay uncapped.
+        assert!(!plan(4, 40).decode_four_blocks_an_sm(128));
+        assert!(plan(5, 40).decode_four_blocks_an_sm(128));
+        // No capped kernel at d64.
+        assert!(!plan(200, 40).decode_four_blocks_an_sm(64));
+        // A group of 8 runs in blocks of 2 or 4 q heads up to 64 sequences of 8 kv heads,
+        // then whole, capped.
+        assert!(!plan(64, 64).decode_four_blocks_an_sm(128));
+        assert!(plan(65, 64).decode_four_blocks_an_sm(128));
         assert!(!plan(200, 32).decode_four_blocks_an_sm(128)); // a group of 4
-        assert!(!plan(200, 64).decode_four_blocks_an_sm(64)); // no capped kernel at d64
+    }
+
+    #[test]
+    fn groups_split_over_blocks_of_fewer_q_heads_at_small_buckets() {
+        let split = |seqs: usize, hq, hkv| {
+            let qsl: Vec<i32> = (0..=seqs as i32).collect();
+            let p = AttentionPlan::new(&qsl, &vec![700; seqs], hq, hkv, 132, FLASH).unwrap();
+            (p.decode_q_split, p.decode_group)
+        };
+        // Qwen3-0.6B's group of 2 stays whole.
+        assert_eq!(split(1, 16, 8), (1, 2));
+        // Qwen3-8B and Llama-3.1-8B: blocks of 2 while the bucket has at most 32
+        // (sequence, kv head) pairs; at a TP=4 rank's 2 kv heads up to 16 sequences.
+        assert_eq!(split(4, 32, 8), (2, 2));
+        assert_eq!(split(5, 32, 8), (1, 4));
+        assert_eq!(split(16, 8, 2), (2, 2));
+        assert_eq!(split(17, 8, 2), (1, 4));
+        // Llama-3.1-70B's TP=4 rank: blocks of 2, then of 4 up to 256 sequences.
+        assert_eq!(split(1, 16, 2), (4, 2));
+        assert_eq!(split(17, 16, 2), (2, 4));
+        assert_eq!(split(256, 16, 2), (2, 4));
+        // Groups that are not powers of two stay whole (Qwen2.5-7B's 7, Qwen3-14B's 5).
+        assert_eq!(split(1, 28, 4), (1, 8));
+        assert_eq!(split(1, 40, 8), (1, 8));
+        // A mixed step splits by its decodes' bucket too.
+        let p = AttentionPlan::new(&[0, 1, 6], &[900, 5], 16, 2, 132, FLASH).unwrap();
+        assert_eq!((p.decode_q_split, p.decode_group), (4, 2));
     }
 
     #[test]

@@ -111,6 +111,7 @@ struct DecodeArgs {
     num_decode: i32,
     num_q_heads: i32,
     num_kv_heads: i32,
+    q_split_log2: i32,
     block_size: i32,
     max_blocks_per_seq: i32,
     scale: f32,
@@ -902,14 +903,16 @@ impl CudaOps {
                 num_decode: i32_of(num_decode, "decode sequences")?,
                 num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
                 num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
+                q_split_log2: plan.decode_q_split.trailing_zeros() as i32,
                 block_size: i32_of(dims.block_size, "block_size")?,
                 max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
                 scale: c.scale,
             };
+            let q_blocks = dims.num_kv_heads * plan.decode_q_split;
             let cfg = LaunchConfig {
                 // The sequence varies slowest, so blocks start in the plan's order of decode
                 // sequences, the longest first (AttentionPlan::new).
-                grid_dim: (dims.num_kv_heads as u32, parts as u32, num_decode as u32),
+                grid_dim: (q_blocks as u32, parts as u32, num_decode as u32),
                 block_dim: (DEC_THREADS, 1, 1),
                 shared_mem_bytes: plan.decode_shared_bytes(dims.head_dim) as u32,
             };

@@ -142,6 +142,77 @@ fn decode_attention_empty_partitions() {
     }
 }
 
+/// Decode attention with each kv head's GQA group split over 1, 2, 4 or 8 blocks
+/// (`AttentionPlan::split_decode_group`; the rows of one shape share the planned
+/// partitions): Qwen3-0.6B's heads (16 q / 8 kv), Qwen3-8B's (32 / 8), a group of
+/// 8 over 8 kv heads (Qwen3-32B, Llama-3.1-70B), and the TP=4 ranks of Llama-3.1-70B
+/// (16 / 2) and of Qwen3-8B (8 / 2). Each row: µs, and the largest difference from the
+/// unsplit output.
+///
+///   cuda_bench decode_attention_q_split --ignored --nocapture   (gpu_round.sh decode-q-split)
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh decode-q-split runs it"]
+fn decode_attention_q_split() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    for lens in [
+        vec![200],
+        vec![384],
+        vec![1_000],
+        vec![4_000],
+        spread(2, 1_000, 2_000),
+        spread(4, 1_000, 2_000),
+        spread(8, 300, 600),
+        spread(8, 1_500, 2_000),
+        spread(16, 1_200, 2_000),
+        spread(32, 1_200, 2_000),
+        spread(64, 1_000, 2_000),
+        spread(128, 600, 1_900),
+        spread(256, 100, 1_023),
+    ] {
+        let mut shape = DecodeShape::new(&dev, lens);
+        for (model, hq, hkv) in [
+            ("0.6B", HQ, HKV),
+            ("8B", 32, HKV),
+            ("g8", 64, HKV),
+            ("70B/4", 16, 2),
+            ("8B/4", 8, 2),
+        ] {
+            shape.set_heads(&dev, hq, hkv);
+            let group = hq / hkv;
+            let plan = shape.plan(&ops, None);
+            let planned = plan.decode_q_split;
+            let mut whole = plan.clone();
+            whole.split_decode_group(group, 1).unwrap();
+            let (s1, reference) = shape.run(&dev, &ops, &whole);
+            for split in [1, 2, 4, 8]
+                .into_iter()
+                .filter(|s| group.is_multiple_of(*s))
+            {
+                let mut split_plan = plan.clone();
+                split_plan.split_decode_group(group, split).unwrap();
+                let (s, out) = if split == 1 {
+                    (s1, reference.clone())
+                } else {
+                    shape.run(&dev, &ops, &split_plan)
+                };
+                println!(
+                    "BENCH decode_q_split {model} {}x{} part {}x{} split {split} (g{}){} \
+                     {:>8.2} us max|diff| {:.2e}",
+                    shape.seqs,
+                    shape.keys,
+                    plan.decode_partitions,
+                    plan.decode_partition,
+                    split_plan.decode_group,
+                    if split == planned { " plan" } else { "" },
+                    s * 1e6,
+                    max_abs_diff(&out, &reference)
+                );
+            }
+        }
+    }
+}
+
 /// The lengths of `seqs` sequences, `step` tokens past prompts spread over 100–1,023.
 fn nanovllm_batch(seqs: usize, step: i32) -> Vec<i32> {
     spread(seqs, step + 100, step + 1023)

@@ -61,6 +61,9 @@ pub(crate) struct DecodeShape {
     pub(crate) seqs: usize,
     pub(crate) keys: usize,
     pub(crate) hq: usize,
+    /// The kv heads the kernels are told of (`HKV` unless set): fewer read the same
+    /// caches' rows at a shorter stride, the bytes a block reads unchanged.
+    pub(crate) hkv: usize,
     pub(crate) blocks_per_seq: usize,
     pub(crate) q: CudaSlice<u8>,
     pub(crate) key_cache: CudaSlice<u8>,
@@ -96,6 +99,7 @@ impl DecodeShape {
             seqs,
             keys,
             hq: 0,
+            hkv: HKV,
             blocks_per_seq,
             q: random(dev, 1, 3),
             key_cache: random(dev, kv, 1),
@@ -112,10 +116,17 @@ impl DecodeShape {
         self.q = random(dev, self.seqs * hq * D, 3);
     }
 
+    /// The model's q and kv heads, as a tensor-parallel rank's (`hkv` at most `HKV`).
+    pub(crate) fn set_heads(&mut self, dev: &CudaDevice, hq: usize, hkv: usize) {
+        assert!(hkv <= HKV, "the caches hold {HKV} kv heads");
+        self.set_q_heads(dev, hq);
+        self.hkv = hkv;
+    }
+
     /// K and V bytes one call reads.
     pub(crate) fn bytes(&self) -> f64 {
         let keys: i32 = self.seq_lens.iter().sum();
-        (keys as usize * HKV * D * 2 * 2) as f64
+        (keys as usize * self.hkv * D * 2 * 2) as f64
     }
 
     /// The flash plan; `partition` replaces its keys per partition: at batch 1 the
@@ -128,7 +139,7 @@ impl DecodeShape {
             &self.qsl,
             &self.seq_lens,
             self.hq,
-            HKV,
+            self.hkv,
             ops.num_sms,
             kernels,
         )
@@ -154,7 +165,7 @@ impl DecodeShape {
         AttentionDims {
             num_tokens: self.seqs,
             num_q_heads: self.hq,
-            num_kv_heads: HKV,
+            num_kv_heads: self.hkv,
             head_dim: D,
             block_size: BS,
         }

@@ -2,8 +2,11 @@
 // semantics of `cpu::attention::paged_attention` for query length 1: the token attends to
 // every key of its sequence). vLLM's paged_attention_v2 scheme, tuned for bandwidth:
 //
-// Grid: (decode sequence, kv head, partition). A block reads its partition of the
-// sequence's keys once for all the q heads of its GQA group: pass 1 computes the scores
+// Grid: (decode sequence, kv head × q split, partition). A block reads its partition of
+// the sequence's keys once for the q heads it takes: its kv head's whole GQA group, or at
+// small grids one of 2^q_split_log2 equal runs of it (`AttentionPlan::decode_q_split`: a
+// group-of-8 block's latency is about 1.4 times a group-of-4's, and the second read of
+// the keys comes from L2). Pass 1 computes the scores
 // into shared memory (each key is handled by a group of D/8 lanes, 16 bytes per lane),
 // pass 2 takes the softmax, pass 3 accumulates V. With several partitions, each writes
 // an unnormalised partial (o, m, l) that `paged_attention_decode_combine` merges.
@@ -42,6 +45,7 @@ struct DecodeArgs {
     int num_decode;
     int num_q_heads;
     int num_kv_heads;
+    int q_split_log2;           // log2 of the blocks per kv head, each a run of its group
     int block_size;
     int max_blocks_per_seq;
     float scale;
@@ -326,21 +330,23 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     // time, which from registers would put m[] in local memory.
     __shared__ float s_block_max[GP];
 
-    const int kvh = blockIdx.x, part = blockIdx.y, i = blockIdx.z;
+    const int kvh = blockIdx.x >> a.q_split_log2, part = blockIdx.y, i = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int grp = tid / TG, sub = tid % TG;
     const int seq = a.decode_seqs[i];
     const int token = a.query_start_loc[seq];
     const int seq_len = a.seq_lens[seq];
-    const int g = a.num_q_heads / a.num_kv_heads;
+    // The block's q heads: g of them, from blockIdx.x · g (its kv head's group in order).
+    const int g = (a.num_q_heads / a.num_kv_heads) >> a.q_split_log2;
     const int k_begin = part * partition;
     const int k_end = min(seq_len, k_begin + partition);
     // A sequence that fits in one partition is written here whole; the combine passes
     // over it (at large batches the plan takes partitions that hold most sequences).
     const bool whole = gridDim.y == 1 || seq_len <= partition;
-    const long long q_row0 = (long long)token * a.num_q_heads + (long long)kvh * g;
+    const long long q_row0 = (long long)token * a.num_q_heads + (long long)blockIdx.x * g;
     // Partial rows are indexed by decode sequence, not by token.
-    const long long p_row0 = ((long long)part * a.num_decode + i) * a.num_q_heads + kvh * g;
+    const long long p_row0 =
+        ((long long)part * a.num_decode + i) * a.num_q_heads + (long long)blockIdx.x * g;
 
     if (k_begin >= k_end) {  // this partition lies past the sequence's end
         pdl_enter();

@@ -426,8 +426,9 @@ impl AttentionPlan {
 ///   141.5, but 256 × 1,021 352.7 → 358.0;
 /// - a group of 4 (Qwen3-8B, Llama-3.1-8B) as two blocks of 2 at few pairs: 1 × 384
 ///   7.57 → 6.70, 4 × 1,758 17.3 → 15.0; at a TP=4 rank 16 × 1,958 18.6 → 17.1. From
-///   128 sequences it loses 5–7 %, and Qwen3-8B's TPOT at 32 × 1,000-token prompts was
-///   10.65 → 10.90 ms split.
+///   128 sequences it loses 5–7 %, and in the model the kernel's gains at 8–64
+///   sequences turn into losses: Qwen3-8B's TPOT at 8–64 × 1,000-token prompts 2–5 %
+///   longer split, also with partitions chosen for the doubled blocks.
 ///
 /// In the model, TP=4 on four H100s: the 70B shape 14.06 → 13.83 ms a token, Qwen3-8B
 /// 2.10 → 2.07. A group of 2 (Qwen3-0.6B) stays whole: as two blocks of one q head it

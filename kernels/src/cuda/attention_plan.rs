@@ -53,18 +53,16 @@ const DEC_MAX_SHARED: usize = 36 * 1024;
 /// `KeySlots`).
 const DEC_COMPACT_MAX_GROUP: usize = 2;
 /// The fewest decode sequences (by their bucket, so that a graph and the eager step of
-/// the same batch agree) for which blocks of 8 q heads (a group of 5 to 7 padded to 8, or
-/// of 8 where `decode_q_split` leaves it whole) at head size 128 run their kernel capped
+/// the same batch agree) for which blocks of 8 q heads (a group of 5 to 8, where
+/// `decode_q_split` leaves it whole) at head size 128 run their kernel capped
 /// at four blocks an SM (`_d128_g8_occ4`: 128 registers and a 32-byte stack, against 163
 /// and three blocks). One layer of 64 q / 8 kv heads on an H100 (`cuda_bench
 /// decode_attention_late`, µs, uncapped → capped): 192 × 947 keys 479 → 432, 32 × 1,617
 /// 170 → 149, 8 × 1,699 62 → 45, but 4 × 1,318 24.6 → 27.7 and one sequence 3–6 % slower.
 const DEC_G8_FOUR_BLOCKS_MIN_BUCKET: usize = 8;
-/// The most (sequence, kv head) pairs of a bucket at which a group of 4 splits into blocks
-/// of two q heads, and a group of 8 into blocks of two rather than four.
-const DEC_SPLIT_SMALL_MAX_PAIRS: usize = 32;
-/// The most pairs at which a group of 8 splits at all.
-const DEC_G8_SPLIT_MAX_PAIRS: usize = 512;
+/// The most (sequence, kv head) pairs of a bucket at which a group of 4 or 8 splits into
+/// blocks of two q heads (`decode_q_split`).
+const DEC_SPLIT_MAX_PAIRS: usize = 32;
 /// Head sizes with a compiled kernel.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
@@ -414,33 +412,28 @@ impl AttentionPlan {
 }
 
 /// Decode blocks per kv head for a GQA group of `group` q heads at `bucket` sequences:
-/// blocks of fewer q heads run shorter (fewer registers, more blocks an SM), and the
-/// second read of their keys mostly hits L2, as a kv head's blocks are neighbours in the
-/// grid; at large batches the whole group's block wins again. Chosen by the bucket, so
-/// that a graph and the eager step of a batch agree. On an H100 (`cuda_bench
-/// decode_attention_q_split`, one layer, µs, whole group → split; docs/BENCHMARKS.md):
-/// - a group of 8 (Llama-3.1-70B, Qwen3-32B) as four blocks of 2 while the bucket has
-///   few (sequence, kv head) pairs, then as two blocks of 4: the 70B's TP=4 rank (2 kv
-///   heads) 1 × 384 keys 8.99 → 5.92, 8 × 1,892 23.7 → 20.8, 64 × 1,981 80.8 → 72.7,
-///   256 × 1,021 110.0 → 105.0; at 8 kv heads 1 × 384 10.39 → 7.57, 32 × 1,993 151.8 →
-///   141.5, but 256 × 1,021 352.7 → 358.0;
-/// - a group of 4 (Qwen3-8B, Llama-3.1-8B) as two blocks of 2 at few pairs: 1 × 384
-///   7.57 → 6.70, 4 × 1,758 17.3 → 15.0; at a TP=4 rank 16 × 1,958 18.6 → 17.1. From
-///   128 sequences it loses 5–7 %, and in the model the kernel's gains at 8–64
-///   sequences turn into losses: Qwen3-8B's TPOT at 8–64 × 1,000-token prompts 2–5 %
-///   longer split, also with partitions chosen for the doubled blocks.
+/// while the bucket has at most `DEC_SPLIT_MAX_PAIRS` (sequence, kv head) pairs, a group of
+/// 4 or 8 runs as blocks of two q heads. There a block's latency, not the bytes, sets the
+/// kernel's time, and a block of fewer heads runs shorter (fewer registers, fewer dots a
+/// key); the second read of the keys mostly hits L2, a kv head's blocks being neighbours
+/// in the grid. Chosen by the bucket, so that a graph and the eager step of a batch agree.
 ///
-/// In the model, TP=4 on four H100s: the 70B shape 14.06 → 13.83 ms a token, Qwen3-8B
-/// 2.10 → 2.07. A group of 2 (Qwen3-0.6B) stays whole: as two blocks of one q head it
-/// gained 0.4 µs at 1 × 384 but nothing at 1 × 1,000 (its TPOT 0.98 → 1.00 ms at
-/// 1,000-token prompts), and from 8 sequences lost 3–8 %. Groups that are not powers of
-/// two stay whole.
+/// On an H100 (`cuda_bench decode_attention_q_split`, one layer, µs, whole → split;
+/// docs/BENCHMARKS.md): the 70B's TP=4 rank (16 q / 2 kv heads) 1 × 384 keys 8.99 →
+/// 5.94, 8 × 1,892 23.7 → 20.8; Qwen3-8B 1 × 384 7.57 → 6.70, 4 × 1,758 17.3 → 15.0; a
+/// group of 8 over 8 kv heads 1 × 384 10.39 → 7.57. In the model, TP=4 on four H100s: the
+/// 70B shape 14.06 → 13.83 ms a token, 19.48 against 20.17 at 8 × 1,000-token prompts;
+/// Qwen3-8B 2.10 → 2.07.
+///
+/// Past that the kernel bench still gains at up to 64 sequences, but the model does not:
+/// Qwen3-8B's TPOT at 8–64 × 1,000-token prompts was 2–5 % longer split, and the 70B
+/// rank's even at 32 and 64 (blocks of 4). A group of 2 (Qwen3-0.6B) stays whole: split
+/// it gained 0.4 µs at 1 × 384, nothing at 1 × 1,000 (TPOT 0.98 → 1.00 ms at 1,000-token
+/// prompts), and lost 3–8 % from 8 sequences. Groups that are not powers of two stay
+/// whole.
 fn decode_q_split(group: usize, bucket: usize, num_kv_heads: usize) -> usize {
-    let pairs = bucket * num_kv_heads;
     match group {
-        4 if pairs <= DEC_SPLIT_SMALL_MAX_PAIRS => 2,
-        8 if pairs <= DEC_SPLIT_SMALL_MAX_PAIRS => 4,
-        8 if pairs <= DEC_G8_SPLIT_MAX_PAIRS => 2,
+        4 | 8 if bucket * num_kv_heads <= DEC_SPLIT_MAX_PAIRS => group / 2,
         _ => 1,
     }
 }
@@ -697,10 +690,10 @@ mod tests {
         assert!(plan(5, 40).decode_four_blocks_an_sm(128));
         // No capped kernel at d64.
         assert!(!plan(200, 40).decode_four_blocks_an_sm(64));
-        // A group of 8 runs in blocks of 2 or 4 q heads up to 64 sequences of 8 kv heads,
-        // then whole, capped.
-        assert!(!plan(64, 64).decode_four_blocks_an_sm(128));
-        assert!(plan(65, 64).decode_four_blocks_an_sm(128));
+        // A group of 8 runs in blocks of 2 q heads up to 4 sequences of 8 kv heads, then
+        // whole, capped from the bucket of 8.
+        assert!(!plan(4, 64).decode_four_blocks_an_sm(128));
+        assert!(plan(5, 64).decode_four_blocks_an_sm(128));
         assert!(!plan(200, 32).decode_four_blocks_an_sm(128)); // a group of 4
     }
 
@@ -719,10 +712,10 @@ mod tests {
         assert_eq!(split(5, 32, 8), (1, 4));
         assert_eq!(split(16, 8, 2), (2, 2));
         assert_eq!(split(17, 8, 2), (1, 4));
-        // Llama-3.1-70B's TP=4 rank: blocks of 2, then of 4 up to 256 sequences.
+        // Llama-3.1-70B's TP=4 rank: blocks of 2 up to 16 sequences.
         assert_eq!(split(1, 16, 2), (4, 2));
-        assert_eq!(split(17, 16, 2), (2, 4));
-        assert_eq!(split(256, 16, 2), (2, 4));
+        assert_eq!(split(16, 16, 2), (4, 2));
+        assert_eq!(split(17, 16, 2), (1, 8));
         // Groups that are not powers of two stay whole (Qwen2.5-7B's 7, Qwen3-14B's 5).
         assert_eq!(split(1, 28, 4), (1, 8));
         assert_eq!(split(1, 40, 8), (1, 8));

@@ -231,10 +231,9 @@ fn paged_attention_matches_cpu() {
         attention_case(&c, &mut r, &decodes, 32, 8, 128, 16);
         attention_case(&c, &mut r, &decodes, 64, 8, 128, 16);
         attention_case(&c, &mut r, &[(2500, 1)], 32, 8, 128, 16);
-        // Batches of 8 and more at Qwen3-14B's group of 5 (padded to 8) take the kernel
-        // capped at four blocks an SM (`decode_four_blocks_an_sm`); the group of 8 runs in
-        // blocks of 4 q heads at 12 sequences (`decode_q_split`), and whole, capped, in the
-        // forced rounds below.
+        // Batches of 8 and more at the group of 8 and Qwen3-14B's group of 5 (padded to 8)
+        // take the kernel capped at four blocks an SM (`decode_four_blocks_an_sm`); the
+        // forced rounds below also run the group of 8 split.
         attention_case(&c, &mut r, &batch[..12], 64, 8, 128, 16);
         attention_case(&c, &mut r, &batch, 40, 8, 128, 16);
         // One sequence short enough for batch 1's shortest partitions (32 keys), at groups

@@ -74,17 +74,22 @@ fn attention_case_with(
     );
     let plan = AttentionPlan::new(&qsl, &seq_lens, hq, hkv, c.ops.num_sms, kernels).unwrap();
     let case = AttentionCase {
-        q: &q,
-        kc: &kc,
-        vc: &vc,
-        block_tables: &block_tables,
-        seq_lens: &seq_lens,
-        qsl: &qsl,
-        seqs,
-        hq,
-        hkv,
-        d,
-        bs,
+        q: c.upload(&q),
+        key_cache: c.upload(&kc),
+        value_cache: c.upload(&vc),
+        block_tables: c.ints(&block_tables),
+        max_blocks_per_seq: max_blocks,
+        seq_lens: c.ints(&seq_lens),
+        query_start_loc: c.ints(&qsl),
+        dims: AttentionDims {
+            num_tokens: t,
+            num_q_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            block_size: bs,
+        },
+        scale,
+        what: format!("paged_attention seqs {seqs:?} hq {hq} hkv {hkv} d {d} bs {bs}"),
     };
     check_plan(c, &case, &plan, &want);
     // The decodes again with each kv head's group whole or split over other numbers of
@@ -100,72 +105,49 @@ fn attention_case_with(
     }
 }
 
-/// The inputs of one attention scenario.
-struct AttentionCase<'a> {
-    q: &'a [f32],
-    kc: &'a [f32],
-    vc: &'a [f32],
-    block_tables: &'a [i32],
-    seq_lens: &'a [i32],
-    qsl: &'a [i32],
-    seqs: &'a [(usize, usize)],
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    bs: usize,
+/// One attention scenario's inputs on the device, shared by every plan run over it.
+struct AttentionCase {
+    q: CudaSlice<u8>,
+    key_cache: CudaSlice<u8>,
+    value_cache: CudaSlice<u8>,
+    block_tables: CudaSlice<i32>,
+    max_blocks_per_seq: usize,
+    seq_lens: CudaSlice<i32>,
+    query_start_loc: CudaSlice<i32>,
+    dims: AttentionDims,
+    scale: f32,
+    /// The scenario, for a failure's message.
+    what: String,
 }
 
 /// Runs `plan` over `case` and checks the output against the CPU's `want`.
 fn check_plan(c: &Ctx, case: &AttentionCase, plan: &AttentionPlan, want: &[f32]) {
-    let &AttentionCase {
-        q,
-        kc,
-        vc,
-        block_tables,
-        seq_lens,
-        qsl,
-        seqs,
-        hq,
-        hkv,
-        d,
-        bs,
-    } = case;
-    let max_blocks = block_tables.len() / seq_lens.len();
-    let t = *qsl.last().unwrap() as usize;
-    let scale = 1.0 / (d as f32).sqrt();
     let meta = AttentionMeta {
-        block_tables: &c.ints(block_tables),
-        max_blocks_per_seq: max_blocks,
-        seq_lens: &c.ints(seq_lens),
-        query_start_loc: &c.ints(qsl),
+        block_tables: &case.block_tables,
+        max_blocks_per_seq: case.max_blocks_per_seq,
+        seq_lens: &case.seq_lens,
+        query_start_loc: &case.query_start_loc,
         tile_seq: &c.ints(&plan.tile_seq),
         tile_token: &c.ints(&plan.tile_token),
         decode_seqs: &c.ints(&plan.decode_seqs),
         decode_partition: &c.ints(&[plan.decode_partition as i32]),
         plan,
     };
-    let dims = AttentionDims {
-        num_tokens: t,
-        num_q_heads: hq,
-        num_kv_heads: hkv,
-        head_dim: d,
-        block_size: bs,
-    };
-    let mut out = c.poisoned(t * hq * d);
+    let mut out = c.poisoned(want.len());
     c.ops
         .paged_attention(
-            &c.upload(q),
-            &c.upload(kc),
-            &c.upload(vc),
+            &case.q,
+            &case.key_cache,
+            &case.value_cache,
             &meta,
-            dims,
-            scale,
+            case.dims,
+            case.scale,
             &mut out,
         )
         .unwrap();
     let what = format!(
-        "paged_attention seqs {seqs:?} hq {hq} hkv {hkv} d {d} bs {bs} tiles {:?} splits {} \
-         decode partitions {}×{} q split {}",
+        "{} tiles {:?} splits {} decode partitions {}×{} q split {}",
+        case.what,
         plan.tile_kernel,
         plan.num_splits,
         plan.decode_partitions,

@@ -6,6 +6,7 @@
 #                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
 #                                     gemm-bench (decode GEMMs at batch 1-32: thin_gemm against cuBLAS and gemv)
+#                                     gemm-candidates (cuBLASLt's algorithms at batch 64-256, weights from HBM)
 #                                     tp-gemv (one rank's batch-1 GEMMs at TP=2 and 4, one GPU)
 #                                     tp-rank-latency (TPOT at TP=1 of one TP=$TP_MAX rank's shapes:
 #                                     a rank's step without collectives; TP_SIZES="1 4" on one GPU)
@@ -519,6 +520,7 @@ for s in $STAGES; do
     kernel-bench) stage kernel-bench "$G/cuda_bench" --ignored --nocapture ;;
     tp-gemv) stage tp-gemv "$G/cuda_bench" tp_rank_gemvs --ignored --nocapture ;;
     gemm-bench) stage gemm-bench "$G/cuda_bench" decode_gemms --ignored --nocapture ;;
+    gemm-candidates) stage gemm-candidates "$G/cuda_bench" gemm_candidates --ignored --nocapture ;;
     decode-late) stage decode-late "$G/cuda_bench" decode_attention_late --ignored --nocapture ;;
     decode-mid) stage decode-mid "$G/cuda_bench" decode_attention_mid --ignored --nocapture ;;
     decode-q-split) stage decode-q-split "$G/cuda_bench" decode_attention_q_split --ignored --nocapture ;;

@@ -96,6 +96,11 @@ impl Gemm {
         self.tuning.load(Ordering::Relaxed)
     }
 
+    /// The tuned cuBLASLt GEMMs (None in f32), for benches that survey their algorithms.
+    pub fn lt(&self) -> Option<&LtMatmul> {
+        self.lt.as_ref()
+    }
+
     pub fn tuning_counts(&self) -> TuningCounts {
         self.lt
             .as_ref()

@@ -113,6 +113,50 @@ impl Shape {
     }
 }
 
+/// One of the heuristic's algorithms for a shape, with its configuration in words.
+pub struct Candidate {
+    shape: Shape,
+    pub label: String,
+}
+
+/// An algorithm's configuration (id, tile, stages, split-K, cluster, ...) as cuBLASLt
+/// reports it, for reading bench output.
+fn algo_label(algo: &ls::cublasLtMatmulAlgo_t) -> String {
+    use ls::cublasLtMatmulAlgoConfigAttributes_t as A;
+    let get = |attr: A, size: usize| {
+        let mut value = 0u32;
+        let mut written = 0usize;
+        // SAFETY: an initialised algorithm and a buffer of the attribute's size (4 bytes,
+        // or 2 for the shape ids, which land in the low bytes: little-endian).
+        let status = unsafe {
+            ls::cublasLtMatmulAlgoConfigGetAttribute(
+                algo,
+                attr,
+                &mut value as *mut u32 as *mut c_void,
+                size,
+                &mut written,
+            )
+        };
+        if status == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            value.to_string()
+        } else {
+            "?".into()
+        }
+    };
+    format!(
+        "id={} tile={} stages={} splitk={} reduction={} swizzle={} cluster={} inner={} custom={}",
+        get(A::CUBLASLT_ALGO_CONFIG_ID, 4),
+        get(A::CUBLASLT_ALGO_CONFIG_TILE_ID, 4),
+        get(A::CUBLASLT_ALGO_CONFIG_STAGES_ID, 4),
+        get(A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 4),
+        get(A::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, 4),
+        get(A::CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, 4),
+        get(A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, 2),
+        get(A::CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, 2),
+        get(A::CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, 4),
+    )
+}
+
 /// The operands of one call, as raw device pointers on the handle's stream.
 #[derive(Clone, Copy)]
 pub struct Operands {
@@ -359,14 +403,43 @@ impl LtMatmul {
         })
     }
 
+    /// Up to `count` of the heuristic's algorithms for (m, k, n), each runnable on its own
+    /// (`run_candidate`), for a bench to time them as it likes.
+    pub fn candidates_for(&self, mkn: Mkn, count: usize) -> Result<Vec<Candidate>> {
+        let probe = Shape::new(self.dtype, mkn)?;
+        self.heuristic(&probe, count)?
+            .into_iter()
+            .map(|r| {
+                let mut shape = Shape::new(self.dtype, mkn)?;
+                shape.algo = r.algo;
+                let label = format!("{} waves={:.2}", algo_label(&r.algo), r.wavesCount);
+                Ok(Candidate { shape, label })
+            })
+            .collect()
+    }
+
+    pub fn run_candidate(&self, candidate: &Candidate, ops: Operands) -> Result<()> {
+        self.matmul(&candidate.shape, &candidate.shape.algo, ops)
+    }
+
     /// Up to CANDIDATES algorithms the heuristic offers for `shape` within the workspace.
     fn candidates(&self, shape: &Shape) -> Result<Vec<ls::cublasLtMatmulHeuristicResult_t>> {
+        self.heuristic(shape, CANDIDATES)
+    }
+
+    /// Up to `count` algorithms the heuristic offers for `shape` within the workspace, in
+    /// its order.
+    fn heuristic(
+        &self,
+        shape: &Shape,
+        count: usize,
+    ) -> Result<Vec<ls::cublasLtMatmulHeuristicResult_t>> {
         let pref = lr::create_matmul_pref().map_err(lt_err("creating a preference"))?;
         let bytes = self.workspace.1 as u64;
-        let mut results = Vec::with_capacity(CANDIDATES);
-        let mut count = 0i32;
-        // SAFETY: live descriptors; `results` has room for CANDIDATES entries, of which
-        // the call initialises `count`.
+        let mut results = Vec::with_capacity(count);
+        let mut returned = 0i32;
+        // SAFETY: live descriptors; `results` has room for `count` entries, of which the
+        // call initialises `returned`.
         let status = unsafe {
             lr::set_matmul_pref_attribute(
                 pref,
@@ -383,13 +456,13 @@ impl LtMatmul {
                     shape.y_layout,
                     shape.y_layout,
                     pref,
-                    CANDIDATES as i32,
+                    count as i32,
                     results.as_mut_ptr(),
-                    &mut count,
+                    &mut returned,
                 )
                 .result()
             })
-            .map(|_| results.set_len(count.clamp(0, CANDIDATES as i32) as usize))
+            .map(|_| results.set_len(returned.clamp(0, count as i32) as usize))
         };
         // SAFETY: created above, destroyed once.
         let _ = unsafe { lr::destroy_matmul_pref(pref) };

@@ -309,90 +309,40 @@ fn decode_gemms() {
     }
 }
 
-/// Every algorithm cuBLASLt's heuristic offers (up to 64) for the layer GEMMs of Qwen3-0.6B
-/// and Qwen3-8B at decode batches of 64–256 rows, each timed with its weights from HBM
-/// (rotating through 256 MB of copies, in a CUDA graph), against cuBLAS's default and
-/// against the algorithm that tuning picks today (`Gemm::tuning`, which times one
-/// operand over and over, so a 0.6B weight is read from L2). Prints each shape's three
-/// times and its fastest candidates, then each model's layer sums.
+/// Every algorithm cuBLASLt's heuristic offers (up to 64; it gave 8 on an H100) for the
+/// layer GEMMs of Qwen3-0.6B and Qwen3-8B at decode batches of 64–256 rows, each timed with
+/// its weights from HBM (rotating through 256 MB of copies, in a CUDA graph), against
+/// cuBLAS's default and against the algorithm that tuning picks today (`Gemm::tuning`,
+/// which times one operand over and over, so a 0.6B weight is read from L2). Prints each
+/// product's three times (`BENCH`) and its fastest candidates (`CAND`), then each model's
+/// layer sums.
 ///
 ///   cuda_bench gemm_candidates --ignored --nocapture    (scripts/gpu_round.sh gemm-candidates)
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh gemm-candidates runs it"]
 fn gemm_candidates() {
-    use cudarc::driver::DevicePtr;
-    use vllm_kernels::cuda::lt_matmul::Operands;
     let Some(dev) = common::device() else { return };
     let plain = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
-    let choices = std::env::temp_dir().join(format!("gemm-candidates-{}", std::process::id()));
-    std::fs::create_dir_all(&choices).unwrap();
-    let count: usize = std::env::var("VLLM_BENCH_CANDIDATES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64);
+    // Each product's tuned Gemm records its choice in a folder of its own, empty at first.
+    let records = std::env::temp_dir().join(format!("gemm-candidates-{}", std::process::id()));
     const MS: [usize; 4] = [64, 128, 192, 256];
     for (model, shapes) in MODEL_GEMMS {
         let mut layer = [(0.0, 0.0, 0.0); MS.len()];
         for (name, k, n) in shapes.into_iter().filter(|s| s.0 != "lm_head") {
             let ws = weight_copies(&dev, n * k);
-            let wp: Vec<u64> = ws.iter().map(|w| w.device_ptr(&dev.stream).0).collect();
             for (mi, m) in MS.into_iter().enumerate() {
-                let x = random(&dev, m * k, 5);
-                let mut out = dev.stream.alloc_zeros::<u8>(m * n * 2).unwrap();
-                let (xp, yp) = (x.device_ptr(&dev.stream).0, out.device_ptr(&dev.stream).0);
-                let mut i = 0;
-                let mut next = || {
-                    i = (i + 1) % ws.len();
-                    i
-                };
-                let default = time_graph(&dev, 40, || {
-                    plain.linear(&x, &ws[next()], &mut out, m, k, n).unwrap()
-                });
-                // Today's tuning, in a Gemm of its own whose record starts empty.
-                let tuned =
-                    Gemm::with_choices_in(dev.stream.clone(), DType::BF16, &choices).unwrap();
-                tuned.tuning(|| tuned.linear(&x, &ws[0], &mut out, m, k, n).unwrap());
-                let today = time_graph(&dev, 40, || {
-                    tuned.linear(&x, &ws[next()], &mut out, m, k, n).unwrap()
-                });
-                let lt = plain.lt().expect("bf16 has cuBLASLt");
-                let mut timed: Vec<(f64, usize, String)> = lt
-                    .candidates_for((m, k, n), count)
-                    .unwrap()
-                    .into_iter()
-                    .enumerate()
-                    .map(|(rank, c)| {
-                        let s = time_graph(&dev, 40, || {
-                            let w = wp[next()];
-                            let operands = Operands { x: xp, w, y: yp };
-                            lt.run_candidate(&c, operands).unwrap()
-                        });
-                        (s, rank, c.label)
-                    })
-                    .collect();
-                timed.sort_by(|a, b| a.0.total_cmp(&b.0));
-                let best = timed.first().map_or(f64::INFINITY, |t| t.0);
-                println!(
-                    "CAND {model} {name} m={m} [{k}->{n}]: default {:.2} us, today {:.2} us, \
-                     best of {} {:.2} us",
-                    default * 1e6,
-                    today * 1e6,
-                    timed.len(),
-                    best * 1e6
-                );
-                for (s, rank, label) in timed.iter().take(3) {
-                    println!("CAND   {:.2} us  #{rank} {label}", s * 1e6);
-                }
+                let what = format!("{model} {name} m={m} [{k}->{n}]");
+                let record = records.join(format!("{model}-{name}-{m}"));
+                let (default, today, best) =
+                    survey_product(&dev, &plain, &record, &ws, (m, k, n), &what);
                 layer[mi].0 += default;
                 layer[mi].1 += today;
                 layer[mi].2 += best.min(default);
-                std::fs::remove_dir_all(&choices).ok();
-                std::fs::create_dir_all(&choices).unwrap();
             }
         }
         for (m, (default, today, best)) in MS.into_iter().zip(layer) {
             println!(
-                "CAND {model} layer GEMMs m={m}: default {:.1} us, today {:.1} us, \
+                "BENCH candidates {model} layer GEMMs m={m}: default {:.1} us, today {:.1} us, \
                  best (cold) {:.1} us",
                 default * 1e6,
                 today * 1e6,
@@ -400,5 +350,73 @@ fn gemm_candidates() {
             );
         }
     }
-    std::fs::remove_dir_all(&choices).ok();
+    std::fs::remove_dir_all(&records).ok();
+}
+
+/// One product of `gemm_candidates`: seconds for cuBLAS's default, for today's tuned choice
+/// (a `Gemm` whose record is `record`) and for the fastest heuristic candidate, each call
+/// reading the next of the weight copies `ws`. Prints them and the three fastest.
+fn survey_product(
+    dev: &CudaDevice,
+    plain: &Gemm,
+    record: &std::path::Path,
+    ws: &[CudaSlice<u8>],
+    (m, k, n): (usize, usize, usize),
+    what: &str,
+) -> (f64, f64, f64) {
+    use cudarc::driver::DevicePtr;
+    use vllm_kernels::cuda::lt_matmul::Operands;
+    let count: usize = std::env::var("VLLM_BENCH_CANDIDATES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let x = random(dev, m * k, 5);
+    let mut out = dev.stream.alloc_zeros::<u8>(m * n * 2).unwrap();
+    let mut i = 0;
+    let mut next = || {
+        i = (i + 1) % ws.len();
+        i
+    };
+    let default = time_graph(dev, 40, || {
+        plain.linear(&x, &ws[next()], &mut out, m, k, n).unwrap()
+    });
+    let tuned = Gemm::with_choices_in(dev.stream.clone(), DType::BF16, record).unwrap();
+    tuned.tuning(|| tuned.linear(&x, &ws[0], &mut out, m, k, n).unwrap());
+    let today = time_graph(dev, 40, || {
+        tuned.linear(&x, &ws[next()], &mut out, m, k, n).unwrap()
+    });
+    let lt = plain.lt().expect("bf16 has cuBLASLt");
+    let ptr = |b: &CudaSlice<u8>| b.device_ptr(&dev.stream).0;
+    let (xp, yp) = (ptr(&x), ptr(&out));
+    let wp: Vec<u64> = ws.iter().map(ptr).collect();
+    let mut timed: Vec<(f64, usize, String)> = lt
+        .candidates_for((m, k, n), count)
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, c)| {
+            let s = time_graph(dev, 40, || {
+                let ops = Operands {
+                    x: xp,
+                    w: wp[next()],
+                    y: yp,
+                };
+                lt.run_candidate(&c, ops).unwrap()
+            });
+            (s, rank, c.label)
+        })
+        .collect();
+    timed.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let best = timed.first().map_or(f64::INFINITY, |t| t.0);
+    println!(
+        "BENCH candidates {what}: default {:.2} us, today {:.2} us, best of {} {:.2} us",
+        default * 1e6,
+        today * 1e6,
+        timed.len(),
+        best * 1e6
+    );
+    for (s, rank, label) in timed.iter().take(3) {
+        println!("CAND   {:.2} us  #{rank} {label}", s * 1e6);
+    }
+    (default, today, best)
 }

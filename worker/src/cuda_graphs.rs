@@ -2,8 +2,8 @@
 //!
 //! After the KV cache is allocated, one graph is captured per batch size of the ladder
 //! (`decode_bucket`: 1, 2, 4, 8, then steps of 8 up to `--max-num-seqs`), each the whole
-//! forward pass of a step of that many one-token sequences, its logits copied into one
-//! output buffer that every graph shares. A later step of decodes only is padded to the
+//! forward pass of a step of that many one-token sequences, its logits left where its LM
+//! head wrote them in the arena (below). A later step of decodes only is padded to the
 //! smallest size that fits, staged in the step buffers (whose addresses the graph baked
 //! in) and replayed with one launch instead of hundreds. Steps with prefill tokens, longer
 //! sequences than a graph's attention grid reaches, or more sequences than the largest
@@ -12,7 +12,10 @@
 //! The activations of every capture come from one arena sized by an eager pass of the
 //! largest shape (`CaptureArena`), so that a graph holds kernels and copies only: no
 //! allocation node sits between two kernels, and programmatic dependent launch joins
-//! them. The graphs share the arena, as they run one at a time on one stream.
+//! them. The graphs share the arena, as they run one at a time on one stream. A replay's
+//! logits are read in place: whatever reads them (the sampler) is queued on the stream
+//! before the next replay, which may write over them. (Copying them to one buffer that
+//! every graph shared read and wrote 156 MB a step at 256 sequences of a 152k vocabulary.)
 //!
 //! A padded sequence has one key (slot 0 of block 0, never written: its slot is -1), so
 //! its rows stay finite; its logits are never read.
@@ -153,17 +156,25 @@ fn capture_step(shape: GraphShape) -> StepInputs {
     pad_decode_step(&empty, shape)
 }
 
-/// The first rows of the graphs' output buffer, as a tensor.
+/// The first rows of a replayed graph's logits, as a tensor.
 pub type LogitsView = Borrowed<CudaTensor>;
 
 pub struct CudaGraphs {
     /// Largest first, as `GraphGeometry::shapes` gives them.
     shapes: Vec<GraphShape>,
-    graphs: BTreeMap<usize, CudaGraph>,
-    /// [largest batch, vocab]: every graph writes its logits here.
-    logits: CudaTensor,
+    graphs: BTreeMap<usize, CapturedGraph>,
+    vocab: usize,
+    /// Where the graphs whose logits fell outside the arena copy them (allocated only
+    /// then): [largest batch, vocab]. Held for those graphs, which write it by address.
+    _spill: Option<CudaTensor>,
     /// The memory of every graph's activations (capture_arena.rs in the kernels crate).
     arena: CaptureArena,
+}
+
+struct CapturedGraph {
+    graph: CudaGraph,
+    /// The device address of its logits, [batch, vocab]: in the arena, or `spill`.
+    logits: u64,
 }
 
 impl CudaGraphs {
@@ -177,29 +188,43 @@ impl CudaGraphs {
         vocab: usize,
     ) -> Result<Self> {
         let shapes = geometry.shapes();
-        let largest = shapes.first().map_or(0, |s| s.batch);
-        let shape = vec![largest.max(1), vocab];
-        let mut logits = CudaTensor {
-            buf: b.ops.alloc_zeros(shape.iter().product())?.into(),
-            shape,
-        };
         let arena = warm_up_and_size_arena(b, model, cache, &shapes)?;
         let mut graphs = BTreeMap::new();
+        let mut spill: Option<CudaTensor> = None;
         for &shape in &shapes {
-            let graph =
-                capture_one(b, model, cache, shape, &mut logits, &arena).with_context(|| {
-                    format!(
-                        "capturing the CUDA graph of {} sequences (--enforce-eager runs without)",
-                        shape.batch
-                    )
-                })?;
-            graphs.insert(shape.batch, graph);
+            let context = || {
+                format!(
+                    "capturing the CUDA graph of {} sequences (--enforce-eager runs without)",
+                    shape.batch
+                )
+            };
+            let captured = match capture_one(b, model, cache, shape, None, &arena)
+                .with_context(context)?
+            {
+                Some(captured) => captured,
+                None => {
+                    // The arena is sized by the same passes, so this is rare: then the
+                    // graph copies its logits into a buffer of its own.
+                    if spill.is_none() {
+                        let largest = shapes.first().map_or(1, |s| s.batch);
+                        spill = Some(CudaTensor {
+                            buf: b.ops.alloc_zeros(largest * vocab)?.into(),
+                            shape: vec![largest, vocab],
+                        });
+                    }
+                    capture_one(b, model, cache, shape, spill.as_mut(), &arena)
+                        .with_context(context)?
+                        .context("a graph's logits copied into the spill buffer")?
+                }
+            };
+            graphs.insert(shape.batch, captured);
         }
         let (arena_mib, allocation_nodes) = (arena.high_water() >> 20, arena.fallbacks());
         let gemms = b.gemm_tuning_counts();
         tracing::info!(
             arena_mib,
             allocation_nodes,
+            logits_outside_the_arena = spill.is_some(),
             gemm_shapes = gemms.shapes,
             cublaslt_won = gemms.cublaslt,
             timed_now = gemms.timed,
@@ -216,7 +241,8 @@ impl CudaGraphs {
         Ok(Self {
             shapes,
             graphs,
-            logits,
+            vocab,
+            _spill: spill,
             arena,
         })
     }
@@ -249,7 +275,7 @@ impl CudaGraphs {
         shape: GraphShape,
         copies: Option<&InputCopies>,
     ) -> Result<LogitsView> {
-        let graph = self
+        let captured = self
             .graphs
             .get(&shape.batch)
             .context("no CUDA graph of this size")?;
@@ -260,20 +286,21 @@ impl CudaGraphs {
         if let Some(c) = copies {
             c.apply(b)?;
         }
-        graph
+        captured
+            .graph
             .launch()
             .map_err(|e| anyhow::anyhow!("CUDA driver: launching a graph failed: {e:?}"))?;
-        let (rows, vocab) = (inputs.num_seqs(), self.logits.cols());
-        let (ptr, _g) = cudarc::driver::DevicePtr::device_ptr(&*self.logits.buf, &b.dev.stream);
-        // SAFETY: the first `rows` rows of `logits`, which outlives every view (the runner
-        // drops the view before the next step).
+        let (rows, vocab) = (inputs.num_seqs(), self.vocab);
+        // SAFETY: the first `rows` of the graph's `shape.batch` logits rows, in the arena
+        // (or `spill`), which outlives every view; the runner queues their readers before
+        // the next replay and drops the view before the next step.
         Ok(unsafe {
             Borrowed::new(CudaTensor {
                 shape: vec![rows, vocab],
                 buf: b
                     .dev
                     .stream
-                    .upgrade_device_ptr::<u8>(ptr, rows * vocab * b.dtype().size())
+                    .upgrade_device_ptr::<u8>(captured.logits, rows * vocab * b.dtype().size())
                     .into(),
             })
         })
@@ -311,35 +338,44 @@ fn warm_up_and_size_arena(
 }
 
 /// Captures one forward pass of `shape`'s capture step (run eagerly before, by
-/// `warm_up_and_size_arena`), its logits copied into `out`, its activations taken from
-/// `arena`.
+/// `warm_up_and_size_arena`), its activations taken from `arena`, its logits left there,
+/// or copied into `spill` when given. None when they fell outside the arena and no
+/// `spill` was given: the pool's memory would be freed at the graph's end.
 fn capture_one(
     b: &CudaBackend,
     model: &LlamaForCausalLM<CudaBackend>,
     cache: &mut KvCache<CudaBackend>,
     shape: GraphShape,
-    out: &mut CudaTensor,
+    spill: Option<&mut CudaTensor>,
     arena: &CaptureArena,
-) -> Result<CudaGraph> {
+) -> Result<Option<CapturedGraph>> {
     let meta = b.upload_step(&capture_step(shape))?;
     let stream = &b.dev.stream;
     let (graph, forward) = b.ops.with_capture_arena(arena, || {
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| anyhow::anyhow!("CUDA driver: beginning a capture failed: {e:?}"))?;
-        let forward = (|| -> Result<()> {
+        let forward = (|| -> Result<Option<u64>> {
             let hidden = model.forward(b, &meta, cache)?;
             let logits = model.compute_logits(b, &hidden, &meta)?;
+            let address = |t: &CudaTensor| cudarc::driver::DevicePtr::device_ptr(&*t.buf, stream).0;
+            let Some(out) = spill else {
+                return Ok(logits.buf.from_arena().then(|| address(&logits)));
+            };
             let row = logits.cols() * b.dtype().size();
             b.ops
-                .copy_2d(&logits.buf, 0, row, &mut out.buf, 0, row, row, shape.batch)
+                .copy_2d(&logits.buf, 0, row, &mut out.buf, 0, row, row, shape.batch)?;
+            Ok(Some(address(out)))
             // Every tensor of the pass gives its range back to the arena here, so that
-            // the next capture starts from an empty one.
+            // the next capture starts from an empty one; the graph keeps writing its
+            // logits to theirs.
         })();
         // The capture must end whatever happened, or the stream stays in capture mode.
         Ok((stream.end_capture(CUgraphInstantiate_flags(0)), forward))
     })?;
-    forward?;
+    let Some(logits) = forward? else {
+        return Ok(None);
+    };
     let graph = graph
         .map_err(|e| anyhow::anyhow!("CUDA driver: ending a capture failed: {e:?}"))?
         .context("the capture recorded nothing")?;
@@ -347,7 +383,7 @@ fn capture_one(
     graph
         .upload()
         .map_err(|e| anyhow::anyhow!("CUDA driver: uploading a graph failed: {e:?}"))?;
-    Ok(graph)
+    Ok(Some(CapturedGraph { graph, logits }))
 }
 
 #[cfg(test)]

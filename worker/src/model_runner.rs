@@ -826,7 +826,7 @@ impl ModelRunner<CudaBackend> {
     }
 }
 
-/// A CUDA step's logits: its own tensor, or rows of the graphs' output buffer.
+/// A CUDA step's logits: its own tensor, or the first rows of its graph's logits.
 enum StepLogits {
     Eager(CudaTensor),
     Graph(LogitsView),

@@ -213,6 +213,12 @@ impl<T> DeviceBuf<T> {
     pub fn release(mut self) {
         self.keep = true;
     }
+
+    /// Whether the memory is an arena's range (which outlives the buffer) rather than
+    /// the pool's.
+    pub fn from_arena(&self) -> bool {
+        self.from_arena
+    }
 }
 
 impl<T> From<CudaSlice<T>> for DeviceBuf<T> {

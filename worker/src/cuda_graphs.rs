@@ -40,8 +40,6 @@ use crate::models::LlamaForCausalLM;
 pub struct GraphShape {
     /// Sequences (one token each).
     pub batch: usize,
-    /// Block-table entries per sequence, baked into the attention launch.
-    pub blocks_per_seq: usize,
     /// The longest sequence the attention grid reaches.
     pub max_seq_len: usize,
 }
@@ -51,7 +49,6 @@ pub struct GraphShape {
 pub struct GraphGeometry {
     pub max_num_seqs: usize,
     pub max_model_len: usize,
-    pub block_size: usize,
     pub num_q_heads: usize,
     pub num_kv_heads: usize,
     pub num_sms: usize,
@@ -77,11 +74,9 @@ impl GraphGeometry {
                     self.num_kv_heads,
                     self.num_sms,
                 )?;
-                let max_seq_len = grid.max_keys().min(self.max_model_len);
                 Some(GraphShape {
                     batch,
-                    blocks_per_seq: max_seq_len.div_ceil(self.block_size),
-                    max_seq_len,
+                    max_seq_len: grid.max_keys().min(self.max_model_len),
                 })
             })
             .collect()
@@ -117,22 +112,18 @@ pub fn shape_for(shapes: &[GraphShape], inputs: &StepInputs) -> Option<GraphShap
         .copied()
 }
 
-/// `inputs` (decodes only) padded to `shape`: extra sequences of one key whose K/V are
-/// not written, block tables widened to the graph's row width.
+/// `inputs` (decodes only) padded to `shape`: extra sequences of one key (block 0) whose
+/// K/V are not written. The block tables keep the step's row width, which the decode
+/// kernel reads from the step's buffers, not from the graph.
 pub fn pad_decode_step(inputs: &StepInputs, shape: GraphShape) -> StepInputs {
-    let (n, b, w) = (inputs.num_seqs(), shape.batch, shape.blocks_per_seq);
+    let (b, w) = (shape.batch, inputs.max_blocks_per_seq.max(1));
     let pad = |v: &[i32], fill: i32| {
         let mut out = v.to_vec();
         out.resize(b, fill);
         out
     };
     let mut block_tables = vec![0; b * w];
-    let old_w = inputs.max_blocks_per_seq;
-    for s in 0..n {
-        let row = &inputs.block_tables[s * old_w..(s + 1) * old_w];
-        let used = row.len().min(w);
-        block_tables[s * w..s * w + used].copy_from_slice(&row[..used]);
-    }
+    block_tables[..inputs.block_tables.len()].copy_from_slice(&inputs.block_tables);
     StepInputs {
         input_ids: pad(&inputs.input_ids, 0),
         positions: pad(&inputs.positions, 0),
@@ -198,25 +189,24 @@ impl CudaGraphs {
                     shape.batch
                 )
             };
-            let captured = match capture_one(b, model, cache, shape, None, &arena)
-                .with_context(context)?
-            {
-                Some(captured) => captured,
-                None => {
-                    // The arena is sized by the same passes, so this is rare: then the
-                    // graph copies its logits into a buffer of its own.
-                    if spill.is_none() {
-                        let largest = shapes.first().map_or(1, |s| s.batch);
-                        spill = Some(CudaTensor {
-                            buf: b.ops.alloc_zeros(largest * vocab)?.into(),
-                            shape: vec![largest, vocab],
-                        });
+            let captured =
+                match capture_one(b, model, cache, shape, None, &arena).with_context(context)? {
+                    Some(captured) => captured,
+                    None => {
+                        // The arena is sized by the same passes, so this is rare: then the
+                        // graph copies its logits into a buffer of its own.
+                        if spill.is_none() {
+                            let largest = shapes.first().map_or(1, |s| s.batch);
+                            spill = Some(CudaTensor {
+                                buf: b.ops.alloc_zeros(largest * vocab)?.into(),
+                                shape: vec![largest, vocab],
+                            });
+                        }
+                        capture_one(b, model, cache, shape, spill.as_mut(), &arena)
+                            .with_context(context)?
+                            .context("a graph's logits copied into the spill buffer")?
                     }
-                    capture_one(b, model, cache, shape, spill.as_mut(), &arena)
-                        .with_context(context)?
-                        .context("a graph's logits copied into the spill buffer")?
-                }
-            };
+                };
             graphs.insert(shape.batch, captured);
         }
         let (arena_mib, allocation_nodes) = (arena.high_water() >> 20, arena.fallbacks());
@@ -394,7 +384,6 @@ mod tests {
         GraphGeometry {
             max_num_seqs,
             max_model_len: 40_960,
-            block_size: 16,
             num_q_heads: 16,
             num_kv_heads: 8,
             num_sms: 132,
@@ -410,7 +399,6 @@ mod tests {
         // Batch 1 spreads over many partitions: it reaches the whole context.
         let one = *geometry(1).shapes().last().unwrap();
         assert_eq!(one.max_seq_len, 40_960);
-        assert_eq!(one.blocks_per_seq, 2_560);
         // A GQA group too wide for the decode kernel gets no graphs.
         let wide = GraphGeometry {
             num_kv_heads: 1,
@@ -464,7 +452,6 @@ mod tests {
         let step = decode_step(&[20, 30, 17]);
         let shape = GraphShape {
             batch: 4,
-            blocks_per_seq: 5,
             max_seq_len: 80,
         };
         let p = pad_decode_step(&step, shape);
@@ -474,10 +461,8 @@ mod tests {
         assert_eq!(p.seq_lens, vec![20, 30, 17, 1]);
         assert_eq!(p.query_start_loc, vec![0, 1, 2, 3, 4]);
         assert_eq!(p.logits_indices, vec![0, 1, 2, 3]);
-        assert_eq!(p.max_blocks_per_seq, 5);
-        assert_eq!(
-            p.block_tables,
-            vec![0, 1, 0, 0, 0, 2, 3, 0, 0, 0, 4, 5, 0, 0, 0, 0, 0, 0, 0, 0]
-        );
+        // The step's own width: the kernel reads it from the step's buffers.
+        assert_eq!(p.max_blocks_per_seq, 2);
+        assert_eq!(p.block_tables, vec![0, 1, 2, 3, 4, 5, 0, 0]);
     }
 }

@@ -634,7 +634,6 @@ impl ModelRunner<CudaBackend> {
         let geometry = GraphGeometry {
             max_num_seqs: self.cfg.max_num_seqs as usize,
             max_model_len: self.max_model_len,
-            block_size: cache.block_size,
             num_q_heads: self.num_q_heads,
             num_kv_heads: self.num_kv_heads,
             num_sms: self.backend.dev.num_sms,

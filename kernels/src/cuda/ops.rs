@@ -56,11 +56,11 @@ struct AttentionArgs {
     out: u64,
     part_o: u64,
     part_ml: u64,
+    step_dims: u64,
     num_tokens: i32,
     num_q_heads: i32,
     num_kv_heads: i32,
     block_size: i32,
-    max_blocks_per_seq: i32,
     tokens_per_tile: i32,
     split_keys: i32,
     scale: f32,
@@ -71,15 +71,20 @@ unsafe impl ByValue for AttentionArgs {}
 /// Device metadata of one attention launch (see `paged_attention`).
 pub struct AttentionMeta<'a> {
     pub block_tables: &'a CudaSlice<i32>,
+    /// The block tables' row width, on the host (sizes are checked against it); the
+    /// kernels read it from `step_dims`.
     pub max_blocks_per_seq: usize,
     pub seq_lens: &'a CudaSlice<i32>,
     pub query_start_loc: &'a CudaSlice<i32>,
     pub tile_seq: &'a CudaSlice<i32>,
     pub tile_token: &'a CudaSlice<i32>,
     pub decode_seqs: &'a CudaSlice<i32>,
-    /// One i32: the plan's `decode_partition`, on the device (the decode kernel reads it
-    /// there, so that a captured graph's replays may change it).
-    pub decode_partition: &'a CudaSlice<i32>,
+    /// Two i32s on the device: the plan's `decode_partition` and the block tables' row
+    /// width (`max_blocks_per_seq`). The kernels read them there, so that a captured
+    /// graph's replays may change them: each step's partition, and block tables no wider
+    /// than its longest sequence needs (a graph of 256 sequences baked 512-block rows
+    /// into a 512 KB copy a step).
+    pub step_dims: &'a CudaSlice<i32>,
     pub plan: &'a AttentionPlan,
 }
 
@@ -107,13 +112,12 @@ struct DecodeArgs {
     out: u64,
     part_o: u64,
     part_ml: u64,
-    partition: u64,
+    step_dims: u64,
     num_decode: i32,
     num_q_heads: i32,
     num_kv_heads: i32,
     q_split_log2: i32,
     block_size: i32,
-    max_blocks_per_seq: i32,
     scale: f32,
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
@@ -191,10 +195,10 @@ struct PrefillArgs {
     tile_seq: u64,
     tile_token: u64,
     out: u64,
+    step_dims: u64,
     num_q_heads: i32,
     num_kv_heads: i32,
     block_size: i32,
-    max_blocks_per_seq: i32,
     tokens_per_tile: i32,
     scale: f32,
 }
@@ -809,7 +813,7 @@ impl CudaOps {
         Self::check_ints(meta.tile_seq, plan.num_tiles(), "tile_seq")?;
         Self::check_ints(meta.tile_token, plan.num_tiles(), "tile_token")?;
         Self::check_ints(meta.decode_seqs, plan.decode_seqs.len(), "decode_seqs")?;
-        Self::check_ints(meta.decode_partition, 1, "decode_partition")?;
+        Self::check_ints(meta.step_dims, 2, "step_dims")?;
         let caches = AttentionCaches {
             q,
             key_cache,
@@ -884,7 +888,7 @@ impl CudaOps {
             let (sl_p, _g4) = meta.seq_lens.device_ptr(s);
             let (qs_p, _g5) = meta.query_start_loc.device_ptr(s);
             let (ds_p, _g6) = meta.decode_seqs.device_ptr(s);
-            let (dp_p, _g10) = meta.decode_partition.device_ptr(s);
+            let (dd_p, _g10) = meta.step_dims.device_ptr(s);
             let (out_p, _g7) = out.device_ptr(s);
             let (po_p, _g8) = part_o.as_ref().map(|p| p.device_ptr(s)).unzip();
             let (pm_p, _g9) = part_ml.as_ref().map(|p| p.device_ptr(s)).unzip();
@@ -899,13 +903,12 @@ impl CudaOps {
                 out: out_p,
                 part_o: po_p.unwrap_or(0),
                 part_ml: pm_p.unwrap_or(0),
-                partition: dp_p,
+                step_dims: dd_p,
                 num_decode: i32_of(num_decode, "decode sequences")?,
                 num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
                 num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
                 q_split_log2: plan.decode_q_split.trailing_zeros() as i32,
                 block_size: i32_of(dims.block_size, "block_size")?,
-                max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
                 scale: c.scale,
             };
             let q_blocks = dims.num_kv_heads * plan.decode_q_split;
@@ -947,7 +950,7 @@ impl CudaOps {
             // rows past `rows` exit.
             launch!(unsafe self, paged_attention_decode_combine, cfg;
                 po, pm, meta.decode_seqs, meta.query_start_loc, meta.seq_lens,
-                meta.decode_partition, out, &nd, &hq, &d, &np, &row_threads)?;
+                meta.step_dims, out, &nd, &hq, &d, &np, &row_threads)?;
         }
         Ok(())
     }
@@ -975,6 +978,7 @@ impl CudaOps {
         let (ts_p, _g6) = meta.tile_seq.device_ptr(s);
         let (tt_p, _g7) = meta.tile_token.device_ptr(s);
         let (out_p, _g8) = out.device_ptr(s);
+        let (sd_p, _g9) = meta.step_dims.device_ptr(s);
         let args = PrefillArgs {
             q: q_p,
             key_cache: kc_p,
@@ -985,10 +989,10 @@ impl CudaOps {
             tile_seq: ts_p,
             tile_token: tt_p,
             out: out_p,
+            step_dims: sd_p,
             num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
             num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
             block_size: i32_of(dims.block_size, "block_size")?,
-            max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
             tokens_per_tile: i32_of(plan.tokens_per_tile, "tokens_per_tile")?,
             scale: c.scale,
         };
@@ -1032,6 +1036,7 @@ impl CudaOps {
             let (out_p, _g8) = out.device_ptr(s);
             let (po_p, _g9) = part_o.as_ref().map(|p| p.device_ptr(s)).unzip();
             let (pm_p, _g10) = part_ml.as_ref().map(|p| p.device_ptr(s)).unzip();
+            let (sd_p, _g11) = meta.step_dims.device_ptr(s);
             let args = AttentionArgs {
                 q: q_p,
                 key_cache: kc_p,
@@ -1044,11 +1049,11 @@ impl CudaOps {
                 out: out_p,
                 part_o: po_p.unwrap_or(0),
                 part_ml: pm_p.unwrap_or(0),
+                step_dims: sd_p,
                 num_tokens: i32_of(dims.num_tokens, "num_tokens")?,
                 num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
                 num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,
                 block_size: i32_of(dims.block_size, "block_size")?,
-                max_blocks_per_seq: i32_of(meta.max_blocks_per_seq, "max_blocks_per_seq")?,
                 tokens_per_tile: i32_of(plan.tokens_per_tile, "tokens_per_tile")?,
                 split_keys: plan.split_keys.min(i32::MAX as usize) as i32,
                 scale: c.scale,

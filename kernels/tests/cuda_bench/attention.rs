@@ -23,8 +23,8 @@ pub(super) fn attention(dev: &CudaDevice, ops: &CudaOps) {
         ("flash", AttentionKernels::flash(true)),
     ] {
         let plan = AttentionPlan::new(&qsl, &seq_lens, HQ, HKV, ops.num_sms, kernels).unwrap();
-        let inputs = PlanInputs::new(dev, &seq_lens, &qsl, &plan);
-        let meta = inputs.meta(&bt, blocks_per_seq, &plan);
+        let inputs = PlanInputs::new(dev, &seq_lens, &qsl, blocks_per_seq, &plan);
+        let meta = inputs.meta(&bt, &plan);
         let dims = AttentionDims {
             num_tokens: SEQS,
             num_q_heads: HQ,
@@ -359,8 +359,8 @@ fn prefill_row(dev: &CudaDevice, ops: &CudaOps, what: &str, hq: usize, seqs: &[(
     };
     let run = |kernels: AttentionKernels, iters: usize| {
         let plan = AttentionPlan::new(&qsl, &seq_lens, hq, HKV, ops.num_sms, kernels).unwrap();
-        let inputs = PlanInputs::new(dev, &seq_lens, &qsl, &plan);
-        let meta = inputs.meta(&bt, max_blocks, &plan);
+        let inputs = PlanInputs::new(dev, &seq_lens, &qsl, max_blocks, &plan);
+        let meta = inputs.meta(&bt, &plan);
         let mut out = ops.alloc(tokens * hq * D).unwrap();
         let s = time(dev, iters, || {
             ops.paged_attention(&q, &key_cache, &value_cache, &meta, dims, 0.088, &mut out)

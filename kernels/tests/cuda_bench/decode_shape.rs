@@ -10,16 +10,18 @@ pub(crate) struct PlanInputs {
     pub(crate) tile_seq: CudaSlice<i32>,
     pub(crate) tile_token: CudaSlice<i32>,
     pub(crate) decode_seqs: CudaSlice<i32>,
-    pub(crate) decode_partition: CudaSlice<i32>,
+    pub(crate) step_dims: CudaSlice<i32>,
+    max_blocks_per_seq: usize,
 }
 
 impl PlanInputs {
     /// The inputs of `plan` over sequences of `seq_lens` keys whose query tokens start at
-    /// `query_start_loc`.
+    /// `query_start_loc`, their block tables `max_blocks_per_seq` wide.
     pub(crate) fn new(
         dev: &CudaDevice,
         seq_lens: &[i32],
         query_start_loc: &[i32],
+        max_blocks_per_seq: usize,
         plan: &AttentionPlan,
     ) -> Self {
         let ints = |v: &[i32]| dev.stream.clone_htod(v).expect("upload");
@@ -29,7 +31,8 @@ impl PlanInputs {
             tile_seq: ints(&plan.tile_seq),
             tile_token: ints(&plan.tile_token),
             decode_seqs: ints(&plan.decode_seqs),
-            decode_partition: ints(&[plan.decode_partition as i32]),
+            step_dims: ints(&[plan.decode_partition as i32, max_blocks_per_seq as i32]),
+            max_blocks_per_seq,
         }
     }
 
@@ -37,18 +40,17 @@ impl PlanInputs {
     pub(crate) fn meta<'a>(
         &'a self,
         table: &'a CudaSlice<i32>,
-        max_blocks_per_seq: usize,
         plan: &'a AttentionPlan,
     ) -> AttentionMeta<'a> {
         AttentionMeta {
             block_tables: table,
-            max_blocks_per_seq,
+            max_blocks_per_seq: self.max_blocks_per_seq,
             seq_lens: &self.seq_lens,
             query_start_loc: &self.query_start_loc,
             tile_seq: &self.tile_seq,
             tile_token: &self.tile_token,
             decode_seqs: &self.decode_seqs,
-            decode_partition: &self.decode_partition,
+            step_dims: &self.step_dims,
             plan,
         }
     }
@@ -160,7 +162,7 @@ impl DecodeShape {
 
     /// The step inputs `plan` reads, on the device.
     pub(crate) fn upload(&self, dev: &CudaDevice, plan: &AttentionPlan) -> PlanInputs {
-        PlanInputs::new(dev, &self.seq_lens, &self.qsl, plan)
+        PlanInputs::new(dev, &self.seq_lens, &self.qsl, self.blocks_per_seq, plan)
     }
 
     pub(crate) fn dims(&self) -> AttentionDims {
@@ -182,11 +184,8 @@ impl DecodeShape {
         plan: &AttentionPlan,
     ) -> (f64, Vec<f32>) {
         let inputs = self.upload(dev, plan);
-        let metas: Vec<AttentionMeta> = self
-            .tables
-            .iter()
-            .map(|bt| inputs.meta(bt, self.blocks_per_seq, plan))
-            .collect();
+        let metas: Vec<AttentionMeta> =
+            self.tables.iter().map(|bt| inputs.meta(bt, plan)).collect();
         let dims = self.dims();
         let mut out = ops.alloc(self.seqs * self.hq * D).unwrap();
         let mut i = 0;

@@ -95,9 +95,7 @@ impl LayerBatch {
 
     fn attention(&mut self, ops: &CudaOps) {
         let sh = &self.shape;
-        let meta = self
-            .inputs
-            .meta(&sh.tables[0], sh.blocks_per_seq, &self.plan);
+        let meta = self.inputs.meta(&sh.tables[0], &self.plan);
         ops.paged_attention(
             &sh.q,
             &sh.key_cache,

@@ -35,11 +35,11 @@ struct AttentionArgs {
     scalar_t* out;              // [T, Hq, D]            (num_splits == 1)
     float* part_o;              // [splits, T, Hq, D]    (num_splits > 1)
     float* part_ml;             // [splits, T, Hq, 2]
+    const int* step_dims;       // [1]: the block tables' row width (attention_decode.cu)
     int num_tokens;
     int num_q_heads;
     int num_kv_heads;
     int block_size;
-    int max_blocks_per_seq;
     int tokens_per_tile;
     int split_keys;
     float scale;
@@ -67,7 +67,7 @@ __device__ void paged_attention_tile(const AttentionArgs& a) {
     const int tile_keys = context_len + (t0 - q_begin) + ntok;
     const int k_begin = split * a.split_keys;
     const int k_end = min(tile_keys, k_begin + a.split_keys);
-    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
+    const int* table = a.block_tables + (long long)seq * a.step_dims[1];
     const long long kv_row = (long long)a.num_kv_heads * D;
 
     for (int i = tid; i < ATT_ROWS * D; i += ATT_THREADS) {

@@ -39,15 +39,16 @@ struct DecodeArgs {
     scalar_t* out;              // [T, Hq, D]                     (num_partitions == 1)
     float* part_o;              // [partitions, num_decode, Hq, D] (num_partitions > 1)
     float* part_ml;             // [partitions, num_decode, Hq, 2]
-    // Keys per partition, read from device memory: a captured CUDA graph keeps its grid
-    // (the partition count) while each replay picks the partition for its longest sequence.
-    const int* partition;
+    // [0] keys per partition, [1] the block tables' row width: read from device memory,
+    // so that a captured CUDA graph keeps its grid (the partition count) while each replay
+    // picks the partition for its longest sequence and stages block tables no wider than
+    // its longest sequence needs.
+    const int* step_dims;
     int num_decode;
     int num_q_heads;
     int num_kv_heads;
     int q_split_log2;           // log2 of the blocks per kv head, each a run of its group
     int block_size;
-    int max_blocks_per_seq;
     float scale;
 };
 
@@ -319,7 +320,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     constexpr int NG = DEC_THREADS / TG;    // keys per block per step
     constexpr bool COMPACT = GP <= 2;  // DEC_COMPACT_MAX_GROUP in attention_plan.rs sizes it
     extern __shared__ long long dec_smem[];
-    const int partition = *a.partition;
+    const int partition = a.step_dims[0];
     float* scores = reinterpret_cast<float*>(reinterpret_cast<char*>(dec_smem) +
                                              partition * (COMPACT ? 4 : 8));  // score_index
     // The cross-warp sum of pass 3's accumulators: over the scores once they are used.
@@ -360,7 +361,7 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     // The keys' cache offsets come from the step's inputs alone, so they are looked up
     // before the wait, while the kernel before finishes (common.cuh); q and the newest
     // key are that kernel's output.
-    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
+    const int* table = a.block_tables + (long long)seq * a.step_dims[1];
     const long long kv_row = (long long)a.num_kv_heads * D, head = (long long)kvh * D;
     const KeySlots<COMPACT> slots = KeySlots<COMPACT>::at(dec_smem, kv_row);  // [partition]
     for (int k = k_begin + tid; k < k_end; k += DEC_THREADS)
@@ -513,7 +514,7 @@ __device__ __forceinline__ float dec_rescale(float m, float ref) {
 extern "C" __global__ void paged_attention_decode_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml,
     const int* __restrict__ decode_seqs, const int* __restrict__ query_start_loc,
-    const int* __restrict__ seq_lens, const int* __restrict__ partition,
+    const int* __restrict__ seq_lens, const int* __restrict__ step_dims,
     scalar_t* __restrict__ out, int num_decode, int num_q_heads, int head_dim,
     int num_partitions, int row_threads) {
     const long long rows = (long long)num_decode * num_q_heads;
@@ -523,7 +524,7 @@ extern "C" __global__ void paged_attention_decode_combine(
     // The step's inputs, read before the wait (common.cuh); the partials after it.
     const int i = row / num_q_heads, h = row % num_q_heads;
     const int seq = decode_seqs[i];
-    const int p = *partition;
+    const int p = step_dims[0];
     const int live = min(num_partitions, (seq_lens[seq] + p - 1) / p);
     if (live == 1) return;  // the decode kernel wrote this row itself
     const long long out_row = (long long)query_start_loc[seq] * num_q_heads + h;

@@ -48,10 +48,10 @@ struct PrefillArgs {
     const int* tile_seq;        // [num_tiles]
     const int* tile_token;      // [num_tiles] first query token of each tile
     scalar_t* out;              // [T, Hq, D]
+    const int* step_dims;       // [1]: the block tables' row width (attention_decode.cu)
     int num_q_heads;
     int num_kv_heads;
     int block_size;
-    int max_blocks_per_seq;
     int tokens_per_tile;
     float scale;
 };
@@ -209,7 +209,7 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     const int ntok = min(a.tokens_per_tile, q_end - t0);
     const int rows = ntok * group;
     const int tile_keys = context_len + (t0 - q_begin) + ntok;  // keys the last token sees
-    const int* table = a.block_tables + (long long)seq * a.max_blocks_per_seq;
+    const int* table = a.block_tables + (long long)seq * a.step_dims[1];
     const long long kv_row = (long long)a.num_kv_heads * D;
 
     // This thread's two rows (gid and gid + 8 of the warp's 16) and their key limits.

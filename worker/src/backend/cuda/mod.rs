@@ -444,7 +444,7 @@ impl Backend for CudaBackend {
                 tile_seq: staged.tile_seq,
                 tile_token: staged.tile_token,
                 decode_seqs: staged.decode_seqs,
-                decode_partition: staged.decode_partition,
+                step_dims: staged.step_dims,
                 blocks_checked: Cell::new(None),
             },
             input_ids: ints(staged.input_ids, &inputs.input_ids),
@@ -652,7 +652,7 @@ impl Backend for CudaBackend {
             tile_seq: &dp.tile_seq,
             tile_token: &dp.tile_token,
             decode_seqs: &dp.decode_seqs,
-            decode_partition: &dp.decode_partition,
+            step_dims: &dp.step_dims,
             plan: &dp.plan,
         };
         let dims = AttentionDims {

@@ -31,7 +31,7 @@ struct Layout {
     decode_seqs: usize,
     tile_seq: usize,
     tile_token: usize,
-    decode_partition: usize,
+    step_dims: usize,
     block_tables: usize,
     total: usize,
 }
@@ -50,7 +50,7 @@ impl Layout {
         let (seq_lens, query_start_loc, logits_indices) = (next(s), next(s + 1), next(t.max(s)));
         // Every tile holds at least one query token.
         let (decode_seqs, tile_seq, tile_token) = (next(s), next(t), next(t));
-        let decode_partition = next(1);
+        let step_dims = next(2);
         let block_tables = next(s * c.max_blocks_per_seq.max(1));
         Self {
             input_ids,
@@ -62,7 +62,7 @@ impl Layout {
             decode_seqs,
             tile_seq,
             tile_token,
-            decode_partition,
+            step_dims,
             block_tables,
             total: at,
         }
@@ -81,7 +81,7 @@ pub struct StagedStep {
     pub decode_seqs: DeviceInts,
     pub tile_seq: DeviceInts,
     pub tile_token: DeviceInts,
-    pub decode_partition: DeviceInts,
+    pub step_dims: DeviceInts,
 }
 
 pub struct StepBuffers {
@@ -149,7 +149,12 @@ impl StepBuffers {
             inputs.max_blocks_per_seq
         );
         let l = self.layout;
-        let partition = [plan.decode_partition as i32];
+        // The decode kernel's partition and the block tables' row width (ops.rs,
+        // `AttentionMeta::step_dims`).
+        let step_dims = [
+            plan.decode_partition as i32,
+            inputs.max_blocks_per_seq as i32,
+        ];
         let parts: [(usize, &[i32]); 11] = [
             (l.input_ids, &inputs.input_ids),
             (l.positions, &inputs.positions),
@@ -160,7 +165,7 @@ impl StepBuffers {
             (l.decode_seqs, &plan.decode_seqs),
             (l.tile_seq, &plan.tile_seq),
             (l.tile_token, &plan.tile_token),
-            (l.decode_partition, &partition),
+            (l.step_dims, &step_dims),
             (l.block_tables, &inputs.block_tables),
         ];
         self.copied
@@ -202,7 +207,7 @@ impl StepBuffers {
             decode_seqs: view(l.decode_seqs, plan.decode_seqs.len()),
             tile_seq: view(l.tile_seq, plan.tile_seq.len()),
             tile_token: view(l.tile_token, plan.tile_token.len()),
-            decode_partition: view(l.decode_partition, 1),
+            step_dims: view(l.step_dims, 2),
         })
     }
 
@@ -256,7 +261,7 @@ mod tests {
             (l.decode_seqs, 7),
             (l.tile_seq, 100),
             (l.tile_token, 100),
-            (l.decode_partition, 1),
+            (l.step_dims, 2),
             (l.block_tables, 35),
         ];
         ranges.sort();

@@ -86,7 +86,7 @@ pub struct DevicePlan {
     pub tile_seq: DeviceInts,
     pub tile_token: DeviceInts,
     pub decode_seqs: DeviceInts,
-    pub decode_partition: DeviceInts,
+    pub step_dims: DeviceInts,
     /// The KV cache size the block tables were last checked against (once per step, not
     /// per layer).
     pub blocks_checked: Cell<Option<usize>>,

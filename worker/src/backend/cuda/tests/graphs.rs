@@ -23,13 +23,14 @@ fn cuda_runner_pdl(
     runner_for(preset, dtype, enforce_eager, pdl, RunnerShape::default())
 }
 
-/// The sizes a test runner is built for.
+/// The sizes a test runner is built for, and its attention kernels.
 #[derive(Clone, Copy)]
 struct RunnerShape {
     max_num_seqs: usize,
     max_num_batched_tokens: usize,
     max_model_len: usize,
     num_blocks: usize,
+    attention_backend: crate::config::AttentionBackend,
 }
 
 impl Default for RunnerShape {
@@ -39,6 +40,7 @@ impl Default for RunnerShape {
             max_num_batched_tokens: 2048,
             max_model_len: 1024,
             num_blocks: 64,
+            attention_backend: Default::default(),
         }
     }
 }
@@ -79,7 +81,7 @@ fn runner_at(
         num_gpu_blocks_override: Some(shape.num_blocks as u32),
         seed: 0,
         load_format,
-        attention_backend: Default::default(),
+        attention_backend: shape.attention_backend,
         execute_model_timeout_s: 300.0,
         enforce_eager,
         disable_custom_all_reduce: false,
@@ -201,13 +203,21 @@ fn cuda_graphs_and_eager_give_identical_greedy_output() {
     if !gpu_present() {
         return;
     }
-    for (preset, dtype) in [
-        ("tiny-qwen3", Some("float32")),
-        ("tiny-llama", Some("float32")),
-        ("tiny-qwen3", None),
-        ("qwen3-0.6b", None),
+    use crate::config::AttentionBackend::{CudaCore, Flash};
+    for (preset, dtype, attention_backend) in [
+        ("tiny-qwen3", Some("float32"), Flash),
+        ("tiny-llama", Some("float32"), Flash),
+        ("tiny-qwen3", None, Flash),
+        ("qwen3-0.6b", None, Flash),
+        // Decode steps on the tile kernel (the graphs replay it too).
+        ("tiny-qwen3", None, CudaCore),
     ] {
-        // Batches of 1 and 3 (padded to the graph of 4), prompts of 5 to 40 tokens.
+        let shape = RunnerShape {
+            attention_backend,
+            ..RunnerShape::default()
+        };
+        // Batches of 1 and 3 (padded to the graph of 4), prompts of 5 to 40 tokens: each
+        // step's block tables as wide as its longest sequence needs, 1 to 5 blocks.
         for n in [1usize, 3] {
             let prompts: Vec<Vec<u32>> = (0..n)
                 .map(|i| {
@@ -216,17 +226,20 @@ fn cuda_graphs_and_eager_give_identical_greedy_output() {
                         .collect()
                 })
                 .collect();
-            let mut eager = cuda_runner(preset, dtype, true);
+            let mut eager = runner_for(preset, dtype, true, true, shape);
             let (want, _) = greedy_decode(&mut eager, &prompts, 40);
             drop(eager);
-            let mut graphs = cuda_runner(preset, dtype, false);
+            let mut graphs = runner_for(preset, dtype, false, true, shape);
             assert!(graphs.num_cuda_graphs() > 0, "{preset}: no graphs captured");
             let (got, _) = greedy_decode(&mut graphs, &prompts, 40);
             assert_eq!(
                 got, want,
-                "{preset} {dtype:?} batch {n}: graphs differ from eager"
+                "{preset} {dtype:?} {attention_backend:?} batch {n}: graphs differ from eager"
             );
-            println!("MATCH graphs == eager: {preset} {dtype:?} batch {n}, 41 tokens each");
+            println!(
+                "MATCH graphs == eager: {preset} {dtype:?} {attention_backend:?} batch {n}, \
+                 41 tokens each"
+            );
         }
     }
 }
@@ -331,6 +344,7 @@ fn decode_batch_bench() {
         max_num_batched_tokens: prompts.iter().map(Vec::len).sum::<usize>().max(2048),
         max_model_len: per_req * 16,
         num_blocks: per_req * batch,
+        ..RunnerShape::default()
     };
     let (name, model) = match std::env::var_os("VLLM_BENCH_MODEL") {
         Some(dir) => (

@@ -182,31 +182,15 @@ impl CudaGraphs {
         let arena = warm_up_and_size_arena(b, model, cache, &shapes)?;
         let mut graphs = BTreeMap::new();
         let mut spill: Option<CudaTensor> = None;
+        let spill_shape = [shapes.first().map_or(1, |s| s.batch), vocab];
         for &shape in &shapes {
-            let context = || {
-                format!(
-                    "capturing the CUDA graph of {} sequences (--enforce-eager runs without)",
-                    shape.batch
-                )
+            let what = || {
+                let n = shape.batch;
+                format!("capturing the CUDA graph of {n} sequences (--enforce-eager runs without)")
             };
             let captured =
-                match capture_one(b, model, cache, shape, None, &arena).with_context(context)? {
-                    Some(captured) => captured,
-                    None => {
-                        // The arena is sized by the same passes, so this is rare: then the
-                        // graph copies its logits into a buffer of its own.
-                        if spill.is_none() {
-                            let largest = shapes.first().map_or(1, |s| s.batch);
-                            spill = Some(CudaTensor {
-                                buf: b.ops.alloc_zeros(largest * vocab)?.into(),
-                                shape: vec![largest, vocab],
-                            });
-                        }
-                        capture_one(b, model, cache, shape, spill.as_mut(), &arena)
-                            .with_context(context)?
-                            .context("a graph's logits copied into the spill buffer")?
-                    }
-                };
+                capture_or_spill(b, model, cache, shape, &arena, &mut spill, spill_shape)
+                    .with_context(what)?;
             graphs.insert(shape.batch, captured);
         }
         let (arena_mib, allocation_nodes) = (arena.high_water() >> 20, arena.fallbacks());
@@ -327,6 +311,31 @@ fn warm_up_and_size_arena(
     CaptureArena::backed(&b.dev.stream, bytes + bytes / 8)
 }
 
+/// `capture_one`, its logits left in the arena; or, where they fell outside it (rare: the
+/// arena is sized by the same passes), captured again copying them into `spill`, a buffer
+/// of `spill_shape` ([largest batch, vocab]) allocated the first time.
+fn capture_or_spill(
+    b: &CudaBackend,
+    model: &LlamaForCausalLM<CudaBackend>,
+    cache: &mut KvCache<CudaBackend>,
+    shape: GraphShape,
+    arena: &CaptureArena,
+    spill: &mut Option<CudaTensor>,
+    spill_shape: [usize; 2],
+) -> Result<CapturedGraph> {
+    if let Some(captured) = capture_one(b, model, cache, shape, None, arena)? {
+        return Ok(captured);
+    }
+    if spill.is_none() {
+        *spill = Some(CudaTensor {
+            buf: b.ops.alloc_zeros(spill_shape[0] * spill_shape[1])?.into(),
+            shape: spill_shape.to_vec(),
+        });
+    }
+    capture_one(b, model, cache, shape, spill.as_mut(), arena)?
+        .context("a graph's logits copied into the spill buffer")
+}
+
 /// Captures one forward pass of `shape`'s capture step (run eagerly before, by
 /// `warm_up_and_size_arena`), its activations taken from `arena`, its logits left there,
 /// or copied into `spill` when given. None when they fell outside the arena and no
@@ -348,6 +357,9 @@ fn capture_one(
         let forward = (|| -> Result<Option<u64>> {
             let hidden = model.forward(b, &meta, cache)?;
             let logits = model.compute_logits(b, &hidden, &meta)?;
+            // Every tensor of the pass gives its range back to the arena when this returns,
+            // so that the next capture starts from an empty one; the graph keeps writing
+            // its logits to theirs.
             let address = |t: &CudaTensor| cudarc::driver::DevicePtr::device_ptr(&*t.buf, stream).0;
             let Some(out) = spill else {
                 return Ok(logits.buf.from_arena().then(|| address(&logits)));
@@ -356,9 +368,6 @@ fn capture_one(
             b.ops
                 .copy_2d(&logits.buf, 0, row, &mut out.buf, 0, row, row, shape.batch)?;
             Ok(Some(address(out)))
-            // Every tensor of the pass gives its range back to the arena here, so that
-            // the next capture starts from an empty one; the graph keeps writing its
-            // logits to theirs.
         })();
         // The capture must end whatever happened, or the stream stays in capture mode.
         Ok((stream.end_capture(CUgraphInstantiate_flags(0)), forward))

@@ -398,6 +398,12 @@ impl AttentionPlan {
         self.decode_group.trailing_zeros() as usize
     }
 
+    /// The step's two i32s the attention kernels read from device memory
+    /// (`AttentionMeta::step_dims`): the decode partition and the block tables' row width.
+    pub fn step_dims(&self, max_blocks_per_seq: usize) -> [i32; 2] {
+        [self.decode_partition as i32, max_blocks_per_seq as i32]
+    }
+
     /// Runs each kv head's group of `group` q heads as `split` blocks of `group / split`
     /// (the kernel and its shared memory are those of the smaller group).
     pub fn split_decode_group(&mut self, group: usize, split: usize) -> Result<()> {

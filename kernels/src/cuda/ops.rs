@@ -888,7 +888,7 @@ impl CudaOps {
             let (sl_p, _g4) = meta.seq_lens.device_ptr(s);
             let (qs_p, _g5) = meta.query_start_loc.device_ptr(s);
             let (ds_p, _g6) = meta.decode_seqs.device_ptr(s);
-            let (dd_p, _g10) = meta.step_dims.device_ptr(s);
+            let (sd_p, _g10) = meta.step_dims.device_ptr(s);
             let (out_p, _g7) = out.device_ptr(s);
             let (po_p, _g8) = part_o.as_ref().map(|p| p.device_ptr(s)).unzip();
             let (pm_p, _g9) = part_ml.as_ref().map(|p| p.device_ptr(s)).unzip();
@@ -903,7 +903,7 @@ impl CudaOps {
                 out: out_p,
                 part_o: po_p.unwrap_or(0),
                 part_ml: pm_p.unwrap_or(0),
-                step_dims: dd_p,
+                step_dims: sd_p,
                 num_decode: i32_of(num_decode, "decode sequences")?,
                 num_q_heads: i32_of(dims.num_q_heads, "q heads")?,
                 num_kv_heads: i32_of(dims.num_kv_heads, "kv heads")?,

@@ -31,7 +31,7 @@ impl PlanInputs {
             tile_seq: ints(&plan.tile_seq),
             tile_token: ints(&plan.tile_token),
             decode_seqs: ints(&plan.decode_seqs),
-            step_dims: ints(&[plan.decode_partition as i32, max_blocks_per_seq as i32]),
+            step_dims: ints(&plan.step_dims(max_blocks_per_seq)),
             max_blocks_per_seq,
         }
     }

@@ -130,7 +130,7 @@ fn check_plan(c: &Ctx, case: &AttentionCase, plan: &AttentionPlan, want: &[f32])
         tile_seq: &c.ints(&plan.tile_seq),
         tile_token: &c.ints(&plan.tile_token),
         decode_seqs: &c.ints(&plan.decode_seqs),
-        step_dims: &c.ints(&[plan.decode_partition as i32, case.max_blocks_per_seq as i32]),
+        step_dims: &c.ints(&plan.step_dims(case.max_blocks_per_seq)),
         plan,
     };
     let mut out = c.poisoned(want.len());

@@ -149,12 +149,7 @@ impl StepBuffers {
             inputs.max_blocks_per_seq
         );
         let l = self.layout;
-        // The decode kernel's partition and the block tables' row width (ops.rs,
-        // `AttentionMeta::step_dims`).
-        let step_dims = [
-            plan.decode_partition as i32,
-            inputs.max_blocks_per_seq as i32,
-        ];
+        let step_dims = plan.step_dims(inputs.max_blocks_per_seq);
         let parts: [(usize, &[i32]); 11] = [
             (l.input_ids, &inputs.input_ids),
             (l.positions, &inputs.positions),

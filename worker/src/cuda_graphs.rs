@@ -94,12 +94,7 @@ pub fn shape_for(shapes: &[GraphShape], inputs: &StepInputs) -> Option<GraphShap
             .iter()
             .enumerate()
             .all(|(i, &q)| q == i as i32)
-        && inputs
-            .logits_indices
-            .iter()
-            .enumerate()
-            .all(|(i, &r)| r == i as i32)
-        && inputs.logits_indices.len() == n;
+        && inputs.samples_every_token();
     if !decodes_only {
         return None;
     }
@@ -454,6 +449,24 @@ mod tests {
         silent.logits_indices.pop();
         assert_eq!(shape_for(&shapes, &silent), None);
         assert_eq!(shape_for(&shapes, &decode_step(&[4; 257])), None);
+    }
+
+    #[test]
+    fn only_every_token_sampled_in_order_skips_the_logits_gather() {
+        let step = decode_step(&[20, 30, 17]);
+        assert!(step.samples_every_token());
+        let mut reordered = decode_step(&[20, 30, 17]);
+        reordered.logits_indices = vec![1, 0, 2];
+        assert!(!reordered.samples_every_token());
+        let mut silent = decode_step(&[20, 30, 17]);
+        silent.logits_indices.pop();
+        assert!(!silent.samples_every_token());
+        // Two prompts of 2 and 1 tokens: the last token of each.
+        let mut prefill = decode_step(&[2, 1]);
+        prefill.query_start_loc = vec![0, 2, 3];
+        prefill.input_ids.push(7);
+        prefill.logits_indices = vec![1, 2];
+        assert!(!prefill.samples_every_token());
     }
 
     #[test]

@@ -417,3 +417,44 @@ fn survey_product(
     }
     (default, today, best)
 }
+
+/// Qwen3-0.6B's layer GEMMs (cuBLAS, as the model tunes them) at decode batches of 64–256
+/// rows with the weight in L2 (one copy, read over and over) against from HBM (rotating
+/// through 256 MB of copies): how much of a product's time is its weight's trip from HBM.
+///
+///   cuda_bench layer_gemms_l2 --ignored --nocapture
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn layer_gemms_l2() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+    let (_, shapes) = MODEL_GEMMS[0];
+    for m in [64, 128, 256] {
+        let (mut hot_sum, mut cold_sum) = (0.0, 0.0);
+        for (name, k, n) in &shapes[..4] {
+            let (k, n) = (*k, *n);
+            let ws = weight_copies(&dev, n * k);
+            let x = random(&dev, m * k, 5);
+            let mut out = ops.alloc(m * n).unwrap();
+            gemm.tuning(|| gemm.linear(&x, &ws[0], &mut out, m, k, n).unwrap());
+            let hot = time_graph(&dev, 40, || {
+                gemm.linear(&x, &ws[0], &mut out, m, k, n).unwrap()
+            });
+            let mut i = 0;
+            let cold = time_graph(&dev, 40, || {
+                i = (i + 1) % ws.len();
+                gemm.linear(&x, &ws[i], &mut out, m, k, n).unwrap()
+            });
+            let bytes = ((n * k + m * k + m * n) * 2) as f64;
+            report(&format!("0.6B {name} m={m} weight in L2"), hot, bytes);
+            report(&format!("0.6B {name} m={m} weight from HBM"), cold, bytes);
+            (hot_sum, cold_sum) = (hot_sum + hot, cold_sum + cold);
+        }
+        println!(
+            "BENCH layer m={m}: in L2 {:.1} us, from HBM {:.1} us",
+            hot_sum * 1e6,
+            cold_sum * 1e6
+        );
+    }
+}

@@ -14,6 +14,7 @@ mod common;
 mod decode_shape;
 mod gemms;
 mod layer_overlap;
+mod qkv_prepare;
 mod sampling;
 
 use std::time::Instant;

@@ -187,6 +187,7 @@ impl Backend for CpuBackend {
             seq_lens: inputs.seq_lens.clone(),
             query_start_loc: inputs.query_start_loc.clone(),
             logits_indices: inputs.logits_indices.clone(),
+            samples_every_token: inputs.samples_every_token(),
             num_tokens: inputs.num_tokens(),
             num_seqs: inputs.num_seqs(),
             max_blocks_per_seq: inputs.max_blocks_per_seq,

@@ -46,6 +46,16 @@ impl StepInputs {
     pub fn num_seqs(&self) -> usize {
         self.seq_lens.len()
     }
+    /// Whether the logits rows are every token in order (a step of decodes only), so
+    /// that the hidden states need no gather before the LM head.
+    pub fn samples_every_token(&self) -> bool {
+        self.logits_indices.len() == self.num_tokens()
+            && self
+                .logits_indices
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r == i as i32)
+    }
 
     /// Every slot and block lies inside a KV cache of `num_blocks` blocks, and every
     /// position inside the context: what a kernel indexes with them, checked before any
@@ -91,6 +101,8 @@ pub struct StepMetadata<B: Backend + ?Sized> {
     pub seq_lens: B::Ints,
     pub query_start_loc: B::Ints,
     pub logits_indices: B::Ints,
+    /// `StepInputs::samples_every_token`.
+    pub samples_every_token: bool,
     pub num_tokens: usize,
     pub num_seqs: usize,
     pub max_blocks_per_seq: usize,

@@ -220,13 +220,18 @@ impl<B: Backend> LlamaForCausalLM<B> {
         }
     }
 
-    /// Logits [rows, vocab] of the hidden rows selected by `meta.logits_indices`.
+    /// Logits [rows, vocab] of the hidden rows selected by `meta.logits_indices`. A step
+    /// of decodes samples every row in order, and the LM head reads them where they are
+    /// (one kernel less in a decode step and its CUDA graph).
     pub fn compute_logits(
         &self,
         b: &B,
         hidden: &B::Tensor,
         meta: &StepMetadata<B>,
     ) -> Result<B::Tensor> {
+        if meta.samples_every_token {
+            return self.lm_head.forward(b, hidden);
+        }
         let rows = b.gather_rows(hidden, &meta.logits_indices)?;
         self.lm_head.forward(b, &rows)
     }

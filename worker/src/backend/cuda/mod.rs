@@ -454,6 +454,7 @@ impl Backend for CudaBackend {
             seq_lens: ints(staged.seq_lens, &inputs.seq_lens),
             query_start_loc: ints(staged.query_start_loc, &inputs.query_start_loc),
             logits_indices: ints(staged.logits_indices, &inputs.logits_indices),
+            samples_every_token: inputs.samples_every_token(),
             num_tokens: inputs.num_tokens(),
             num_seqs: inputs.num_seqs(),
             max_blocks_per_seq: inputs.max_blocks_per_seq,

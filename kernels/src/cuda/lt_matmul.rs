@@ -384,7 +384,7 @@ impl LtMatmul {
         }
         let mut shape = Shape::new(self.dtype, mkn)?;
         let mut best: Option<(f32, ls::cublasLtMatmulAlgo_t)> = None;
-        for candidate in self.candidates(&shape)? {
+        for candidate in self.heuristic(&shape, CANDIDATES)? {
             let mut run = || self.matmul(&shape, &candidate.algo, ops);
             // A candidate may still refuse the operands (alignment): skip it.
             let Ok(us) = mean_us_in_graph(&self.stream, &mut run) else {
@@ -420,11 +420,6 @@ impl LtMatmul {
 
     pub fn run_candidate(&self, candidate: &Candidate, ops: Operands) -> Result<()> {
         self.matmul(&candidate.shape, &candidate.shape.algo, ops)
-    }
-
-    /// Up to CANDIDATES algorithms the heuristic offers for `shape` within the workspace.
-    fn candidates(&self, shape: &Shape) -> Result<Vec<ls::cublasLtMatmulHeuristicResult_t>> {
-        self.heuristic(shape, CANDIDATES)
     }
 
     /// Up to `count` algorithms the heuristic offers for `shape` within the workspace, in

@@ -82,6 +82,21 @@ fn weight_copies(dev: &CudaDevice, elems: usize) -> Vec<CudaSlice<u8>> {
         .collect()
 }
 
+/// An index into `copies` weight copies, one further each call (from 1), so that each
+/// call of a timed product reads another copy.
+fn rotation(copies: usize) -> impl FnMut() -> usize {
+    let mut i = 0;
+    move || {
+        i = (i + 1) % copies;
+        i
+    }
+}
+
+/// The bf16 bytes of an (m, k, n) product: its weight, x and out.
+fn product_bytes(m: usize, k: usize, n: usize) -> f64 {
+    ((n * k + m * k + m * n) * 2) as f64
+}
+
 /// Decode GEMMs at batch 1–8, cuBLAS against the thin-GEMM kernel (both rows-per-warp
 /// variants and the one `gemv` picks), for the layer shapes of Qwen3-0.6B and Qwen3-8B.
 /// Each call reads a different copy of the weights, 256 MB in all, so the 50 MB L2 holds
@@ -141,16 +156,12 @@ fn gemv_table<S: std::fmt::Display>(models: &[(S, [GemmShape; 5])], ms: &[usize]
         for &m in ms {
             let (mut layer_blas, mut layer_gemv, mut layer_bytes) = (0.0, 0.0, 0.0);
             for &(name, k, n) in shapes {
-                let bytes = ((n * k + m * k + m * n) * 2) as f64;
+                let bytes = product_bytes(m, k, n);
                 let ws = weight_copies(&dev, n * k);
-                let copies = ws.len();
                 let x = random(&dev, m * k, 5);
                 let mut out = ops.alloc(m * n).unwrap();
-                let mut i = 0;
-                let mut next = || {
-                    i = (i + 1) % copies;
-                    &ws[i]
-                };
+                let mut turn = rotation(ws.len());
+                let mut next = || &ws[turn()];
                 let blas = time_graph(&dev, 40, || {
                     gemm.linear(&x, next(), &mut out, m, k, n).unwrap()
                 });
@@ -240,17 +251,13 @@ fn decode_gemms() {
         let mut layer = [(0.0, 0.0, 0.0); MS.len()];
         for (name, k, n) in shapes {
             let ws = weight_copies(&dev, n * k);
-            let copies = ws.len();
             for (mi, m) in MS.into_iter().enumerate() {
-                let bytes = ((n * k + m * k + m * n) * 2) as f64;
+                let bytes = product_bytes(m, k, n);
                 let x = random(&dev, m * k, 5);
                 let mut out = ops.alloc(m * n).unwrap();
                 let mut act = ops.alloc(m * n / 2).unwrap();
-                let mut i = 0;
-                let mut next = || {
-                    i = (i + 1) % copies;
-                    &ws[i]
-                };
+                let mut turn = rotation(ws.len());
+                let mut next = || &ws[turn()];
                 gemm.tuning(|| gemm.linear(&x, &ws[0], &mut out, m, k, n).unwrap());
                 // One row: the model's gemv stands where cuBLAS does at more rows.
                 let blas = time_graph(&dev, 40, || {
@@ -370,11 +377,7 @@ fn survey_product(
     const ASKED: usize = 64;
     let x = random(dev, m * k, 5);
     let mut out = dev.stream.alloc_zeros::<u8>(m * n * 2).unwrap();
-    let mut i = 0;
-    let mut next = || {
-        i = (i + 1) % ws.len();
-        i
-    };
+    let mut next = rotation(ws.len());
     let default = time_graph(dev, 40, || {
         plain.linear(&x, &ws[next()], &mut out, m, k, n).unwrap()
     });
@@ -441,12 +444,11 @@ fn layer_gemms_l2() {
             let hot = time_graph(&dev, 40, || {
                 gemm.linear(&x, &ws[0], &mut out, m, k, n).unwrap()
             });
-            let mut i = 0;
+            let mut next = rotation(ws.len());
             let cold = time_graph(&dev, 40, || {
-                i = (i + 1) % ws.len();
-                gemm.linear(&x, &ws[i], &mut out, m, k, n).unwrap()
+                gemm.linear(&x, &ws[next()], &mut out, m, k, n).unwrap()
             });
-            let bytes = ((n * k + m * k + m * n) * 2) as f64;
+            let bytes = product_bytes(m, k, n);
             report(&format!("0.6B {name} m={m} weight in L2"), hot, bytes);
             report(&format!("0.6B {name} m={m} weight from HBM"), cold, bytes);
             (hot_sum, cold_sum) = (hot_sum + hot, cold_sum + cold);

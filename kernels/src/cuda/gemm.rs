@@ -14,7 +14,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::cache;
 use super::dtype::DType;
-use super::lt_matmul::{LtMatmul, Operands, TuningCounts};
+use super::gemm_choices::Mkn;
+use super::lt_matmul::{Beta, LtMatmul, Operands, TuningCounts};
 
 pub struct Gemm {
     blas: CudaBlas,
@@ -117,6 +118,41 @@ impl Gemm {
         k: usize,
         n: usize,
     ) -> Result<()> {
+        self.product(x, w, out, (m, k, n), Beta::Zero)
+    }
+
+    /// out [m, n] += x [m, k] · w [n, k]ᵀ, in the GEMM's epilogue (cuBLAS's β = 1, in
+    /// place): a residual add without a kernel of its own. A shape not yet tuned is tuned
+    /// as the plain product into a scratch output, since each timed run would add into
+    /// `out` again.
+    pub fn linear_add(
+        &self,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        let untuned = self.lt.as_ref().is_some_and(|lt| !lt.is_tuned((m, k, n)));
+        if self.is_tuning() && untuned && m * n > 0 {
+            let mut scratch = self
+                .stream
+                .alloc_zeros::<u8>(m * n * self.dtype.size())
+                .map_err(|e| anyhow!("a scratch output to tune [{m}, {k}, {n}]: {e:?}"))?;
+            self.linear(x, w, &mut scratch, m, k, n)?;
+        }
+        self.product(x, w, out, (m, k, n), Beta::One)
+    }
+
+    fn product(
+        &self,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        (m, k, n): Mkn,
+        beta: Beta,
+    ) -> Result<()> {
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -144,7 +180,7 @@ impl Gemm {
         let (wp, _gw) = w.device_ptr(&self.stream);
         let (op, _go) = out.device_ptr(&self.stream);
         let Some(lt) = &self.lt else {
-            return self.gemm_ex((xp, wp, op), (mi, ki, ni));
+            return self.gemm_ex((xp, wp, op), (mi, ki, ni), beta);
         };
         let (mkn, ops) = (
             (m, k, n),
@@ -155,18 +191,24 @@ impl Gemm {
             },
         );
         if self.is_tuning() && !lt.is_tuned(mkn) {
-            let mut baseline = || self.gemm_ex((xp, wp, op), (mi, ki, ni));
+            // `linear_add` tunes through `linear` first, so β is 0 here.
+            let mut baseline = || self.gemm_ex((xp, wp, op), (mi, ki, ni), Beta::Zero);
             lt.tune(mkn, ops, &mut baseline)?;
         }
-        if lt.run(mkn, ops)? {
+        if lt.run(mkn, ops, beta)? {
             return Ok(());
         }
-        self.gemm_ex((xp, wp, op), (mi, ki, ni))
+        self.gemm_ex((xp, wp, op), (mi, ki, ni), beta)
     }
 
-    /// cuBLAS's default GEMM on device pointers (x, w, out) of sizes checked by `linear`.
-    fn gemm_ex(&self, (xp, wp, op): (u64, u64, u64), (mi, ki, ni): (i32, i32, i32)) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+    /// cuBLAS's default GEMM on device pointers (x, w, out) of sizes checked by `product`.
+    fn gemm_ex(
+        &self,
+        (xp, wp, op): (u64, u64, u64),
+        (mi, ki, ni): (i32, i32, i32),
+        beta: Beta,
+    ) -> Result<()> {
+        let (alpha, beta) = (1.0f32, beta.value());
         let t = data_type(self.dtype);
         // Row-major y[m,n] is column-major yᵀ[n,m] = W[n,k] · xᵀ[k,m]: W is stored as
         // column-major [k, n] (transpose it), x as column-major [k, m].

@@ -165,6 +165,24 @@ pub struct Operands {
     pub y: u64,
 }
 
+/// What a product does with y's old contents: cuBLAS's β.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Beta {
+    /// y = x · wᵀ.
+    Zero,
+    /// y += x · wᵀ (in place).
+    One,
+}
+
+impl Beta {
+    pub fn value(self) -> f32 {
+        match self {
+            Beta::Zero => 0.0,
+            Beta::One => 1.0,
+        }
+    }
+}
+
 /// What tuning has done so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TuningCounts {
@@ -269,17 +287,23 @@ impl LtMatmul {
 
     /// Runs (m, k, n) through its tuned algorithm; false when it has none (not tuned, or
     /// cuBLAS's own GEMM won), and the caller runs that.
-    pub fn run(&self, mkn: Mkn, ops: Operands) -> Result<bool> {
+    pub fn run(&self, mkn: Mkn, ops: Operands, beta: Beta) -> Result<bool> {
         let tuned = self.lock();
         let Some(Some(shape)) = tuned.shapes.get(&mkn) else {
             return Ok(false);
         };
-        self.matmul(shape, &shape.algo, ops)?;
+        self.matmul(shape, &shape.algo, ops, beta)?;
         Ok(true)
     }
 
-    fn matmul(&self, shape: &Shape, algo: &ls::cublasLtMatmulAlgo_t, ops: Operands) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+    fn matmul(
+        &self,
+        shape: &Shape,
+        algo: &ls::cublasLtMatmulAlgo_t,
+        ops: Operands,
+        beta: Beta,
+    ) -> Result<()> {
+        let (alpha, beta) = (1.0f32, beta.value());
         // SAFETY: the caller's operands hold [m, k], [n, k] and [m, n] (checked by
         // `Gemm::linear`); the workspace is ours for the stream's use.
         unsafe {
@@ -385,7 +409,7 @@ impl LtMatmul {
         let mut shape = Shape::new(self.dtype, mkn)?;
         let mut best: Option<(f32, ls::cublasLtMatmulAlgo_t)> = None;
         for candidate in self.heuristic(&shape, CANDIDATES)? {
-            let mut run = || self.matmul(&shape, &candidate.algo, ops);
+            let mut run = || self.matmul(&shape, &candidate.algo, ops, Beta::Zero);
             // A candidate may still refuse the operands (alignment): skip it.
             let Ok(us) = mean_us_in_graph(&self.stream, &mut run) else {
                 continue;
@@ -419,7 +443,7 @@ impl LtMatmul {
     }
 
     pub fn run_candidate(&self, candidate: &Candidate, ops: Operands) -> Result<()> {
-        self.matmul(&candidate.shape, &candidate.shape.algo, ops)
+        self.matmul(&candidate.shape, &candidate.shape.algo, ops, Beta::Zero)
     }
 
     /// Up to `count` algorithms the heuristic offers for `shape` within the workspace, in

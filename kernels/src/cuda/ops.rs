@@ -158,6 +158,9 @@ pub struct QkvPrepare<'a> {
     pub num_q_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The projection's input [T, hidden] and its norm's eps, where that norm was deferred
+    /// (norm.cu): each row is scaled by the input row's 1 / RMS first.
+    pub deferred_norm: Option<(&'a CudaSlice<u8>, usize, f32)>,
 }
 
 /// `QkvArgs` of qkv_prepare.cu, field for field.
@@ -173,11 +176,14 @@ struct QkvArgs {
     q_out: u64,
     key_cache: u64,
     value_cache: u64,
+    input: u64,
     num_q_heads: i32,
     num_kv_heads: i32,
     head_dim: i32,
     rotary_dim: i32,
+    hidden: i32,
     eps: f32,
+    input_eps: f32,
 }
 // SAFETY: repr(C) plain data matching the CUDA struct (8-byte pointers first).
 unsafe impl ByValue for QkvArgs {}
@@ -519,6 +525,53 @@ impl CudaOps {
         launch!(unsafe self, silu_and_mul, grid_stride(elems, self.num_sms); x, out, &r, &dd)
     }
 
+    /// `silu_and_mul` of a gate/up product x [rows, 2d] of the raw residual `src`
+    /// [rows, hidden] (a deferred norm: the norm's weight is in the product's columns),
+    /// each row first scaled by `src`'s row 1 / RMS.
+    #[allow(clippy::too_many_arguments)]
+    pub fn silu_and_mul_rms(
+        &self,
+        x: &CudaSlice<u8>,
+        src: &CudaSlice<u8>,
+        out: &mut CudaSlice<u8>,
+        rows: usize,
+        (d, hidden): (usize, usize),
+        eps: f32,
+    ) -> Result<()> {
+        if rows * d == 0 {
+            return Ok(());
+        }
+        self.check(x, rows * 2 * d, "silu_and_mul_rms x")?;
+        self.check(src, rows * hidden, "silu_and_mul_rms src")?;
+        self.check(out, rows * d, "silu_and_mul_rms out")?;
+        let (dd, h) = (i32_of(d, "d")?, i32_of(hidden, "hidden")?);
+        // A row a block, a thread a 16-byte chunk of the output (activation.cu), up to 512.
+        let vec = self.dtype.vec16();
+        let chunks = if d.is_multiple_of(vec) { d / vec } else { d };
+        let threads = row_threads(chunks).min(512);
+        // SAFETY: sizes checked above.
+        launch!(unsafe self, silu_and_mul_rms, rows_cfg(rows, threads); x, src, out, &dd, &h, &eps)
+    }
+
+    /// w [rows, cols] *= g [cols] column by column, rounded to the dtype: a norm's weight
+    /// folded into the projection after it.
+    pub fn scale_cols(
+        &self,
+        w: &mut CudaSlice<u8>,
+        g: &CudaSlice<u8>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if rows * cols == 0 {
+            return Ok(());
+        }
+        self.check(w, rows * cols, "scale_cols w")?;
+        self.check(g, cols, "scale_cols g")?;
+        let (r, c) = (rows as i64, i32_of(cols, "cols")?);
+        // SAFETY: sizes checked above.
+        launch!(unsafe self, scale_cols, grid_stride(rows * cols, self.num_sms); w, g, &r, &c)
+    }
+
     /// Writes K and V rows [T, kv_row] at their slots; negative slots are skipped.
     #[allow(clippy::too_many_arguments)]
     pub fn reshape_and_cache(
@@ -566,6 +619,9 @@ impl CudaOps {
         for w in [a.q_norm, a.k_norm].into_iter().flatten() {
             self.check(w, d, "qkv_prepare norm weight")?;
         }
+        if let Some((input, hidden, _)) = a.deferred_norm {
+            self.check(input, t * hidden, "qkv_prepare input")?;
+        }
         Self::check_ints(a.positions, t, "qkv_prepare positions")?;
         Self::check_ints(a.slot_mapping, t, "qkv_prepare slot_mapping")?;
         ensure!(
@@ -582,6 +638,8 @@ impl CudaOps {
         let (q, _g6) = q_out.device_ptr(s);
         let (kc, _g7) = a.key_cache.device_ptr(s);
         let (vc, _g8) = a.value_cache.device_ptr(s);
+        let (input, _g9) = a.deferred_norm.map(|(x, _, _)| x.device_ptr(s)).unzip();
+        let (hidden, input_eps) = a.deferred_norm.map_or((0, 0.0), |(_, h, e)| (h, e));
         let args = QkvArgs {
             qkv,
             q_norm: qn.unwrap_or(0),
@@ -592,11 +650,14 @@ impl CudaOps {
             q_out: q,
             key_cache: kc,
             value_cache: vc,
+            input: input.unwrap_or(0),
             num_q_heads: i32_of(hq, "q heads")?,
             num_kv_heads: i32_of(hkv, "kv heads")?,
             head_dim: i32_of(d, "head_dim")?,
             rotary_dim: i32_of(a.rotary_dim, "rotary_dim")?,
+            hidden: i32_of(hidden, "hidden")?,
             eps: a.eps,
+            input_eps,
         };
         let pointers = [qkv, qn.unwrap_or(0), kn.unwrap_or(0), cs, q, kc, vc];
         let lanes = qkv_wide_lanes(d, a.rotary_dim, self.dtype.size())

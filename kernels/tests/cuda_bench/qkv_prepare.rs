@@ -1,5 +1,6 @@
 //! `qkv_prepare` at Qwen3-0.6B's heads (16 q / 8 kv of 128, q and k normed), from one
-//! decode token to a prefill step of nanovllm-256's size.
+//! decode token to a prefill step of nanovllm-256's size, plain and with the input norm
+//! deferred (each row scaled by its 1,024-wide input row's 1 / RMS).
 //!
 //!   cuda_bench qkv_prepare_tokens --ignored --nocapture
 
@@ -26,27 +27,33 @@ fn qkv_prepare_tokens() {
         let cache = |seed| random(&dev, 4 * t * HKV * D, seed);
         let (key_cache, value_cache) = (cache(14), cache(15));
         let mut q_out = random(&dev, t * HQ * D, 16);
-        let args = QkvPrepare {
-            qkv: &qkv,
-            q_norm: Some(&q_norm),
-            k_norm: Some(&k_norm),
-            eps: 1e-6,
-            positions: &positions,
-            cos_sin: &cos_sin,
-            rotary_dim: D,
-            slot_mapping: &slots,
-            key_cache: &key_cache,
-            value_cache: &value_cache,
-            num_tokens: t,
-            num_q_heads: HQ,
-            num_kv_heads: HKV,
-            head_dim: D,
-        };
-        let s = time_graph(&dev, 20, || {
-            ops.qkv_prepare(&args, &mut q_out).expect("qkv_prepare")
-        });
-        // The row read; q, k and v written.
-        let bytes = (t * heads * D * 2 * 2) as f64;
-        report(&format!("qkv_prepare {t} tokens"), s, bytes);
+        let input = random(&dev, t * HIDDEN, 18);
+        for deferred in [false, true] {
+            let args = QkvPrepare {
+                qkv: &qkv,
+                q_norm: Some(&q_norm),
+                k_norm: Some(&k_norm),
+                eps: 1e-6,
+                positions: &positions,
+                cos_sin: &cos_sin,
+                rotary_dim: D,
+                slot_mapping: &slots,
+                key_cache: &key_cache,
+                value_cache: &value_cache,
+                num_tokens: t,
+                num_q_heads: HQ,
+                num_kv_heads: HKV,
+                head_dim: D,
+                deferred_norm: deferred.then_some((&input, HIDDEN, 1e-6)),
+            };
+            let s = time_graph(&dev, 20, || {
+                ops.qkv_prepare(&args, &mut q_out).expect("qkv_prepare")
+            });
+            // The row read (and the input row); q, k and v written.
+            let input_bytes = if deferred { t * HIDDEN * 2 } else { 0 };
+            let bytes = (t * heads * D * 2 * 2 + input_bytes) as f64;
+            let what = if deferred { ", deferred norm" } else { "" };
+            report(&format!("qkv_prepare {t} tokens{what}"), s, bytes);
+        }
     }
 }

@@ -247,6 +247,43 @@ fn linear_matches_cpu() {
     }
 }
 
+/// `linear_add` (cuBLAS's β = 1, in place) against the CPU's product added to the old
+/// output, untuned and tuned on first use (a shape tuned inside `linear_add` is timed
+/// into a scratch output: the sum below would show each timed run added again).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn linear_add_adds_the_product_into_its_output() {
+    let Some(g) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("vllm-rs-gemm-add-{}", std::process::id()));
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(23);
+        for tune in [false, true] {
+            let gemm = Gemm::with_choices_in(g.dev.stream.clone(), dtype, &dir).unwrap();
+            for (m, k, n) in [(1, 257, 129), (40, 2048, 1024), (256, 3072, 1024)] {
+                let x = c.round(&r.vec(m * k, 1.0));
+                let w = c.round(&r.vec(n * k, 1.0 / (k as f32).sqrt()));
+                let residual = c.round(&r.vec(m * n, 4.0));
+                let mut product = vec![0.0; m * n];
+                cpu::linear(&x, &w, None, m, k, n, &mut product);
+                let want: Vec<f32> = residual.iter().zip(&product).map(|(a, p)| a + p).collect();
+                let (xd, wd, mut out) = (c.upload(&x), c.upload(&w), c.upload(&residual));
+                let mut run = || gemm.linear_add(&xd, &wd, &mut out, m, k, n);
+                if tune {
+                    gemm.tuning(run).unwrap();
+                } else {
+                    run().unwrap();
+                }
+                let got = c.download(&out, m * n);
+                let what = format!("linear_add [{m}, {k}, {n}] tuned {tune}");
+                // One rounding of the sum, whose values are up to ~4 times the product's.
+                assert_close(&what, dtype, &got, &want, tol(dtype, 3.0));
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A GEMM's tolerance against the CPU: f32 accumulation on both sides, so the output
 /// rounding (and the order of the sums) is all that differs; outputs are O(1).
 fn linear_tol(dtype: DType) -> Tol {

@@ -187,6 +187,77 @@ fn silu_and_mul_matches_cpu() {
     }
 }
 
+/// The deferred norm's kernels (norm.cu): `silu_and_mul_rms` against the CPU's
+/// `silu_and_mul` of the gate/up rows scaled by their source row's 1 / RMS and rounded,
+/// and `scale_cols` against the weight's columns times the norm, rounded.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn deferred_norm_kernels_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let eps = 1e-6;
+    for dtype in DTYPES {
+        let c = Ctx::new(&g, dtype);
+        let mut r = Lcg(41);
+        // Vectorised rows (3072, 1024), one element a step (333, 1037), and a row wider
+        // than a block of 512 threads takes chunks (12,288).
+        for (rows, d, hidden) in [(5, 3072, 1024), (3, 333, 1037), (2, 12288, 4096)] {
+            let x = c.round(&r.vec(rows * 2 * d, 4.0));
+            let src = c.round(&r.vec(rows * hidden, 30.0));
+            let mut scaled = x.clone();
+            for (row, s) in scaled.chunks_mut(2 * d).zip(src.chunks(hidden)) {
+                let inv = inv_rms(s, eps);
+                row.iter_mut().for_each(|v| *v = dtype.round(*v * inv));
+            }
+            let mut want = vec![0.0; rows * d];
+            cpu::silu_and_mul(&scaled, d, &mut want);
+            let mut out = c.poisoned(rows * d);
+            c.ops
+                .silu_and_mul_rms(
+                    &c.upload(&x),
+                    &c.upload(&src),
+                    &mut out,
+                    rows,
+                    (d, hidden),
+                    eps,
+                )
+                .unwrap();
+            let what = format!("silu_and_mul_rms d={d} hidden={hidden}");
+            assert_close(
+                &what,
+                dtype,
+                &c.download(&out, want.len()),
+                &want,
+                tol(dtype, 3.0),
+            );
+        }
+        let (rows, cols) = (67, 1031);
+        let w = c.round(&r.vec(rows * cols, 1.0));
+        let norm = c.round(&r.vec(cols, 2.0));
+        let want: Vec<f32> = w
+            .iter()
+            .enumerate()
+            .map(|(i, v)| dtype.round(v * norm[i % cols]))
+            .collect();
+        let mut wd = c.upload(&w);
+        c.ops
+            .scale_cols(&mut wd, &c.upload(&norm), rows, cols)
+            .unwrap();
+        assert_close(
+            "scale_cols",
+            dtype,
+            &c.download(&wd, w.len()),
+            &want,
+            tol(dtype, 0.0),
+        );
+    }
+}
+
+/// 1 / RMS of a row, eps inside the root (norm.cu's `row_inv_rms`).
+fn inv_rms(row: &[f32], eps: f32) -> f32 {
+    let ss: f32 = row.iter().map(|v| v * v).sum();
+    1.0 / (ss / row.len() as f32 + eps).sqrt()
+}
+
 /// `qkv_prepare` (split, q/k per-head RMSNorm, neox rotary, k and v into the cache, one
 /// launch) against the CPU's split, `rms_norm_per_head`, `rotary_embedding_neox` and
 /// `reshape_and_cache`: head sizes of whole 16-byte chunks (128, 64: `qkv_prepare_wide`,
@@ -209,9 +280,21 @@ fn qkv_prepare_matches_cpu() {
             (96, 96, true),
             (36, 36, true),
         ];
-        for (d, rotary_dim, norm) in heads {
+        for ((d, rotary_dim, norm), deferred) in
+            heads.into_iter().flat_map(|h| [(h, false), (h, true)])
+        {
             let (q_row, kv_row) = (hq * d, hkv * d);
-            let qkv = c.round(&r.vec(t * (q_row + 2 * kv_row), 2.0));
+            let raw = c.round(&r.vec(t * (q_row + 2 * kv_row), 2.0));
+            // A deferred input norm: each row scaled by its input row's 1 / RMS, rounded.
+            let hidden = 3 * d + 5;
+            let input = c.round(&r.vec(t * hidden, 20.0));
+            let mut qkv = raw.clone();
+            if deferred {
+                for (row, x) in qkv.chunks_mut(q_row + 2 * kv_row).zip(input.chunks(hidden)) {
+                    let inv = inv_rms(x, eps);
+                    row.iter_mut().for_each(|v| *v = dtype.round(*v * inv));
+                }
+            }
             let (qw, kw) = (c.round(&r.vec(d, 1.0)), c.round(&r.vec(d, 1.0)));
             let cos_sin = c.round(&r.vec(max_pos * rotary_dim, 1.0));
             let positions: Vec<i32> = (0..t).map(|_| r.below(max_pos) as i32).collect();
@@ -239,7 +322,7 @@ fn qkv_prepare_matches_cpu() {
             cpu::reshape_and_cache(&k, &v, &mut wk, &mut wv, &slots, kv_row);
 
             let (qwd, kwd) = (c.upload(&qw), c.upload(&kw));
-            let (qkvd, csd) = (c.upload(&qkv), c.upload(&cos_sin));
+            let (qkvd, csd, inputd) = (c.upload(&raw), c.upload(&cos_sin), c.upload(&input));
             let (posd, slotd) = (c.ints(&positions), c.ints(&slots));
             let (kc, vc) = (c.upload(&kc0), c.upload(&vc0));
             let mut q_out = c.poisoned(t * q_row);
@@ -258,10 +341,14 @@ fn qkv_prepare_matches_cpu() {
                 num_q_heads: hq,
                 num_kv_heads: hkv,
                 head_dim: d,
+                deferred_norm: deferred.then_some((&inputd, hidden, eps)),
             };
             c.ops.qkv_prepare(&args, &mut q_out).unwrap();
-            let what =
-                |part: &str| format!("qkv_prepare d={d} rotary={rotary_dim} norm={norm} {part}");
+            let what = |part: &str| {
+                format!(
+                    "qkv_prepare d={d} rotary={rotary_dim} norm={norm} deferred={deferred} {part}"
+                )
+            };
             // Products rounded to the dtype before their sum (rotary.cu) against f32 sums.
             let t4 = tol(dtype, 4.0);
             assert_close(&what("q"), dtype, &c.download(&q_out, t * q_row), &q, t4);
@@ -271,7 +358,8 @@ fn qkv_prepare_matches_cpu() {
                 dtype,
                 &c.download(&vc, wv.len()),
                 &wv,
-                tol(dtype, 0.0),
+                // Copied as is; deferred, its scale's sum differs from ours in order.
+                tol(dtype, if deferred { 1.0 } else { 0.0 }),
             );
         }
     }

@@ -316,12 +316,17 @@ impl Backend for CpuBackend {
         qkv: &CpuTensor,
         heads: &PagedAttentionShape,
         qk_norm: Option<(&CpuTensor, &CpuTensor, f32)>,
+        deferred_norm: Option<(&CpuTensor, f32)>,
         positions: &Vec<i32>,
         cos_sin_cache: &CpuTensor,
         key_cache: &mut CpuTensor,
         value_cache: &mut CpuTensor,
         slot_mapping: &Vec<i32>,
     ) -> Result<CpuTensor> {
+        ensure!(
+            deferred_norm.is_none(),
+            "the CPU backend folds no norm into a projection"
+        );
         let d = heads.head_dim;
         let (q_cols, kv_cols) = (heads.num_q_heads * d, heads.num_kv_heads * d);
         let mut parts = self

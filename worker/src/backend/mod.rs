@@ -188,12 +188,16 @@ pub trait Backend {
     /// `qk_norm` (q weight, k weight, eps) is given, applies neox rotary to both at
     /// `positions`, writes k and v to the cache at `slot_mapping`, and returns q
     /// [T, hq·d]. The CPU runs the single ops; CUDA fuses them into one launch.
+    /// `deferred_norm` (the projection's input and its norm's eps, only where
+    /// `folds_norms`): the projection read the raw residual, so each row is first scaled by
+    /// that input row's 1 / RMS.
     #[allow(clippy::too_many_arguments)]
     fn prepare_qkv(
         &self,
         qkv: &Self::Tensor,
         heads: &PagedAttentionShape,
         qk_norm: Option<(&Self::Tensor, &Self::Tensor, f32)>,
+        deferred_norm: Option<(&Self::Tensor, f32)>,
         positions: &Self::Ints,
         cos_sin_cache: &Self::Tensor,
         key_cache: &mut Self::Tensor,
@@ -215,6 +219,45 @@ pub trait Backend {
     /// may fuse the two (the CPU backend does, saving the [T, 2d] round trip).
     fn linear_silu_and_mul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor> {
         self.silu_and_mul(&self.linear(x, w, None)?)
+    }
+    /// Whether this backend runs deferred norms (`LlamaForCausalLM::forward_deferred`):
+    /// the RMSNorm before a projection folded into its columns at load
+    /// (`fold_norm_weight`), the projection reading the raw residual, and the op after it
+    /// scaling each row by the residual row's 1 / RMS; the residual adds go into the
+    /// row-parallel products (`linear_add`). Only at tensor-parallel size 1.
+    fn folds_norms(&self) -> bool {
+        false
+    }
+    /// Whether a step of `rows` tokens runs faster deferred (the norms' own kernels
+    /// removed); only asked where `folds_norms`.
+    fn defers_norms(&self, _rows: usize) -> bool {
+        false
+    }
+    /// w [out, in] *= g [in], column by column: the norm with weight g, which comes before
+    /// the projection w, folded into it. Only where `folds_norms`.
+    fn fold_norm_weight(&self, _w: &mut Self::Tensor, _g: &Self::Tensor) -> Result<()> {
+        anyhow::bail!("{} folds no norm into a projection", self.device_name())
+    }
+    /// `residual += x · wᵀ` (a row-parallel projection at tensor-parallel size 1). Only
+    /// where `folds_norms`.
+    fn linear_add(
+        &self,
+        _x: &Self::Tensor,
+        _w: &Self::Tensor,
+        _residual: &mut Self::Tensor,
+    ) -> Result<()> {
+        anyhow::bail!("{} adds no product into the residual", self.device_name())
+    }
+    /// `silu_and_mul(linear(x, w))` for a gate/up weight with the norm of x folded in:
+    /// each product row scaled by x's row 1 / RMS (eps `eps`) first. Only where
+    /// `folds_norms`.
+    fn linear_rms_silu_and_mul(
+        &self,
+        _x: &Self::Tensor,
+        _w: &Self::Tensor,
+        _eps: f32,
+    ) -> Result<Self::Tensor> {
+        anyhow::bail!("{} defers no norm", self.device_name())
     }
     /// Rows `indices` of `x`, in order.
     fn gather_rows(&self, x: &Self::Tensor, indices: &Self::Ints) -> Result<Self::Tensor>;

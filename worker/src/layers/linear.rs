@@ -79,6 +79,16 @@ impl<B: Backend> QKVParallelLinear<B> {
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
         b.linear(x, &self.weight, self.bias.as_ref())
     }
+
+    /// Folds `norm`, the norm before this projection, into the weight. Not with a bias,
+    /// which would have to be added after the deferred norm's scale.
+    pub fn fold_norm(&mut self, b: &B, norm: &mut RmsNorm<B>) -> Result<()> {
+        ensure!(
+            self.bias.is_none(),
+            "a qkv projection with a bias keeps its norm"
+        );
+        norm.fold_into(b, &mut self.weight)
+    }
 }
 
 /// Several column-parallel projections of the same input fused into one GEMM (gate/up).
@@ -108,6 +118,16 @@ impl<B: Backend> MergedColumnParallelLinear<B> {
     /// backend can.
     pub fn forward_silu_and_mul(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
         b.linear_silu_and_mul(x, &self.weight)
+    }
+
+    /// `forward_silu_and_mul` of the unnormed x, its norm folded in (`fold_norm`).
+    pub fn forward_rms_silu_and_mul(&self, b: &B, x: &B::Tensor, eps: f32) -> Result<B::Tensor> {
+        b.linear_rms_silu_and_mul(x, &self.weight, eps)
+    }
+
+    /// Folds `norm`, the norm before this projection, into the weight.
+    pub fn fold_norm(&mut self, b: &B, norm: &mut RmsNorm<B>) -> Result<()> {
+        norm.fold_into(b, &mut self.weight)
     }
 }
 
@@ -139,5 +159,10 @@ impl<B: Backend> RowParallelLinear<B> {
     ) -> Result<B::Tensor> {
         let (weight, eps) = norm.weight_and_eps();
         b.linear_all_reduce_add_rms_norm(x, &self.weight, residual, weight, eps)
+    }
+
+    /// `residual += x · wᵀ`, at tensor-parallel size 1 (`Backend::folds_norms`).
+    pub fn forward_add(&self, b: &B, x: &B::Tensor, residual: &mut B::Tensor) -> Result<()> {
+        b.linear_add(x, &self.weight, residual)
     }
 }

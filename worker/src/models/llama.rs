@@ -4,6 +4,12 @@
 //! with vLLM's residual handling: the residual stream is carried separately and added
 //! inside the fused add + RMSNorm. `forward` returns the final hidden states of every
 //! token; `compute_logits` runs the LM head on the rows the sampler needs.
+//!
+//! Where the backend folds norms (`Backend::folds_norms`), the two norms of a layer live
+//! in the columns of the projection after them, and a step the backend defers
+//! (`forward_deferred`) runs without their kernels: the projections read the residual
+//! itself, the ops after them scale each row by the residual row's 1 / RMS, and o_proj
+//! and down_proj add into the residual.
 
 use anyhow::Result;
 
@@ -69,10 +75,14 @@ impl<B: Backend> LlamaAttention<B> {
     }
 
     /// The attention output, before o_proj (which the layer runs with the norm after it).
+    /// With `deferred_norm` (the input norm's eps), x is the unnormed residual and the
+    /// norm is folded into qkv_proj.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         b: &B,
         x: &B::Tensor,
+        deferred_norm: Option<f32>,
         rotary: &RotaryEmbedding<B>,
         cache: &mut KvCache<B>,
         layer: usize,
@@ -89,6 +99,7 @@ impl<B: Backend> LlamaAttention<B> {
             &qkv,
             &shape,
             qk_norm,
+            deferred_norm.map(|eps| (x, eps)),
             &meta.positions,
             rotary.cos_sin_cache(),
             &mut layer_cache.key,
@@ -127,12 +138,24 @@ struct LlamaDecoderLayer<B: Backend> {
     mlp: LlamaMlp<B>,
 }
 
+impl<B: Backend> LlamaDecoderLayer<B> {
+    /// Each norm's weight into the projection after it (`RmsNorm::fold_into`).
+    fn fold_norms(&mut self, b: &B) -> Result<()> {
+        let qkv = &mut self.self_attn.qkv_proj;
+        qkv.fold_norm(b, &mut self.input_layernorm)?;
+        let gate_up = &mut self.mlp.gate_up_proj;
+        gate_up.fold_norm(b, &mut self.post_attention_layernorm)
+    }
+}
+
 pub struct LlamaForCausalLM<B: Backend> {
     embed_tokens: VocabParallelEmbedding<B>,
     layers: Vec<LlamaDecoderLayer<B>>,
     norm: RmsNorm<B>,
     lm_head: ParallelLMHead<B>,
     rotary: RotaryEmbedding<B>,
+    /// The layers' norms are folded into their projections (`Backend::folds_norms`).
+    norms_folded: bool,
 }
 
 impl<B: Backend> LlamaForCausalLM<B> {
@@ -151,10 +174,12 @@ impl<B: Backend> LlamaForCausalLM<B> {
         let vb = VarBuilder::new(b, weights, tp);
         let model = vb.pp("model");
         let embed_tokens = VocabParallelEmbedding::load(&model.pp("embed_tokens"), v, h)?;
+        // A qkv bias would have to be added after the deferred norm's scale.
+        let norms_folded = b.folds_norms() && !variant.qkv_bias;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for n in 0..cfg.num_hidden_layers {
             let layer = model.pp("layers").pp(n);
-            layers.push(LlamaDecoderLayer {
+            let mut decoder = LlamaDecoderLayer {
                 input_layernorm: RmsNorm::load(&layer.pp("input_layernorm"), h, eps)?,
                 self_attn: LlamaAttention::load(&layer.pp("self_attn"), cfg, variant)?,
                 post_attention_layernorm: RmsNorm::load(
@@ -163,7 +188,11 @@ impl<B: Backend> LlamaForCausalLM<B> {
                     eps,
                 )?,
                 mlp: LlamaMlp::load(&layer.pp("mlp"), cfg)?,
-            });
+            };
+            if norms_folded {
+                decoder.fold_norms(b)?;
+            }
+            layers.push(decoder);
             on_layer(n);
         }
         let norm = RmsNorm::load(&model.pp("norm"), h, eps)?;
@@ -182,6 +211,7 @@ impl<B: Backend> LlamaForCausalLM<B> {
             norm,
             lm_head,
             rotary,
+            norms_folded,
         })
     }
 
@@ -194,6 +224,9 @@ impl<B: Backend> LlamaForCausalLM<B> {
         cache: &mut KvCache<B>,
     ) -> Result<B::Tensor> {
         let mut residual = self.embed_tokens.forward(b, &meta.input_ids)?;
+        if self.norms_folded && b.defers_norms(meta.num_tokens) {
+            return self.forward_deferred(b, meta, cache, residual);
+        }
         // The last layer's MLP activation and the down_proj it still goes through, with
         // the norm after it (the next layer's input_layernorm, or the final norm).
         let mut pending: Option<(B::Tensor, &RowParallelLinear<B>)> = None;
@@ -205,7 +238,7 @@ impl<B: Backend> LlamaForCausalLM<B> {
                 }
             };
             let attn = &layer.self_attn;
-            let out = attn.forward(b, &normed, &self.rotary, cache, n, meta)?;
+            let out = attn.forward(b, &normed, None, &self.rotary, cache, n, meta)?;
             let h = attn.o_proj.forward_add_rms_norm(
                 b,
                 &out,
@@ -218,6 +251,31 @@ impl<B: Backend> LlamaForCausalLM<B> {
             Some((act, down)) => down.forward_add_rms_norm(b, &act, &self.norm, &mut residual),
             None => self.norm.forward(b, &residual),
         }
+    }
+
+    /// `forward` with the norms deferred (the module's doc): per layer qkv_proj of the
+    /// residual, `prepare_qkv` scaling by its 1 / RMS, attention, o_proj added into the
+    /// residual, gate/up of the residual with SiLU scaled likewise, down_proj added; the
+    /// final norm as before.
+    fn forward_deferred(
+        &self,
+        b: &B,
+        meta: &StepMetadata<B>,
+        cache: &mut KvCache<B>,
+        mut residual: B::Tensor,
+    ) -> Result<B::Tensor> {
+        for (n, layer) in self.layers.iter().enumerate() {
+            let (attn, mlp) = (&layer.self_attn, &layer.mlp);
+            let eps = layer.input_layernorm.eps();
+            let out = attn.forward(b, &residual, Some(eps), &self.rotary, cache, n, meta)?;
+            attn.o_proj.forward_add(b, &out, &mut residual)?;
+            let eps = layer.post_attention_layernorm.eps();
+            let act = mlp
+                .gate_up_proj
+                .forward_rms_silu_and_mul(b, &residual, eps)?;
+            mlp.down_proj.forward_add(b, &act, &mut residual)?;
+        }
+        self.norm.forward(b, &residual)
     }
 
     /// Logits [rows, vocab] of the hidden rows selected by `meta.logits_indices`. A step

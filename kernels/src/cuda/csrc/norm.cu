@@ -134,3 +134,44 @@ extern "C" __global__ void rms_norm_per_head(scalar_t* __restrict__ x,
         h[i] = from_f32(round_t(to_f32(h[i]) * inv) * to_f32(weight[i]));
     }
 }
+
+// A deferred RMSNorm (llama.rs, `forward_deferred`): the norm's weight is folded into the
+// columns of the projection after it (scale_cols, at load), the projection reads the raw
+// residual, and the kernel after the projection scales each row by the residual row's
+// 1 / RMS (row_inv_rms). The same product as norm-then-project, rounded elsewhere; the
+// norm's own launch, a kernel boundary between two cuBLAS GEMMs, is gone.
+
+// 1 / RMS of `row` (`hidden` elements, eps inside the root), in every thread of the block
+// (all must call it). It reads only the row, so a kernel may call it before its wait
+// where the row was written two kernels back: the kernel between waited for that one
+// before it let this one start (common.cuh).
+__device__ float row_inv_rms(const scalar_t* row, int hidden, float eps) {
+    float ss = 0.f;
+    if (hidden % VEC16 == 0 && aligned16(row)) {
+        for (int c = threadIdx.x; c < hidden / VEC16; c += blockDim.x) {
+            float v[VEC16];
+            unpack16(reinterpret_cast<const uint4*>(row)[c], v);
+#pragma unroll
+            for (int j = 0; j < VEC16; j++) ss += v[j] * v[j];
+        }
+    } else {
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+            const float v = to_f32(row[i]);
+            ss += v * v;
+        }
+    }
+    ss = block_sum(ss);
+    return 1.f / sqrtf(ss / (float)hidden + eps);
+}
+
+// w[r, c] *= g[c] over a [rows, cols] weight, rounded once to the dtype: a norm's weight
+// folded into the columns of the projection after it (at load, not on the hot path).
+extern "C" __global__ void scale_cols(scalar_t* __restrict__ w, const scalar_t* __restrict__ g,
+                                      long long rows, int cols) {
+    pdl_enter();
+    const long long n = rows * cols;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        w[i] = from_f32(to_f32(w[i]) * to_f32(g[i % cols]));
+    }
+}

@@ -15,6 +15,10 @@
 // head is a chain of dependent loads (row, norm, cos/sin): with one block walking a
 // token's 32 heads four at a time the kernel took 12 µs at batch 1 on an H100.
 // `qkv_prepare_wide`, below, does the same with 16-byte lanes where a head is whole chunks.
+//
+// With `input` given, the projection read the raw residual (a deferred input norm,
+// norm.cu): every value of the row is first scaled by the 1 / RMS of the token's `input`
+// row and rounded to the dtype, as the normed projection's output would be.
 
 #define QKV_WARPS 4
 #define QKV_MAX_HEAD_DIM 256
@@ -29,11 +33,14 @@ struct QkvArgs {
     scalar_t* q_out;           // [T, Hq * D]
     scalar_t* key_cache;       // [num_slots, Hkv * D]
     scalar_t* value_cache;
+    const scalar_t* input;     // [T, hidden]: the projection's input, or null
     int num_q_heads;
     int num_kv_heads;
     int head_dim;
     int rotary_dim;
+    int hidden;                // of `input`
     float eps;
+    float input_eps;           // of the deferred input norm
 };
 
 // One head of token t, its lane's V consecutive elements at a time (V = 1 or 4; with 4,
@@ -41,7 +48,7 @@ struct QkvArgs {
 template <int V>
 __device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, int head, int slot,
                                                  const scalar_t* src, const scalar_t* w,
-                                                 const scalar_t* cs, float* h) {
+                                                 const scalar_t* cs, float scale, float* h) {
     const int lane = threadIdx.x & 31;
     const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
     const long long kv_row = (long long)hkv * d;
@@ -53,6 +60,8 @@ __device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, 
             for (int i = lane * V; i < d; i += 32 * V) {
                 float v[V];
                 load_v<V>(src + i, v);
+#pragma unroll
+                for (int e = 0; e < V; e++) v[e] *= scale;
                 store_v<V>(dst + i, v);
             }
         }
@@ -65,8 +74,9 @@ __device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, 
         load_v<V>(src + i, v);
 #pragma unroll
         for (int e = 0; e < V; e++) {
-            h[i + e] = v[e];
-            ss += v[e] * v[e];
+            const float x = round_t(v[e] * scale);
+            h[i + e] = x;
+            ss += x * x;
         }
     }
     if (w != nullptr) {
@@ -121,6 +131,12 @@ __device__ __forceinline__ void prefetch_head_constants(const scalar_t* w, const
     }
 }
 
+// The token's 1 / RMS of the deferred input norm, 1 without one; in every thread of the
+// block, before the wait (the input is the residual, two kernels back).
+__device__ __forceinline__ float qkv_input_scale(const QkvArgs& a, long long t) {
+    return a.input != nullptr ? row_inv_rms(a.input + t * a.hidden, a.hidden, a.input_eps) : 1.f;
+}
+
 extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs a) {
     __shared__ float staged[QKV_WARPS][QKV_MAX_HEAD_DIM];
     const long long t = blockIdx.x;
@@ -128,6 +144,7 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
     const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
     const int heads = hq + 2 * hkv;
     const int head = blockIdx.y * QKV_WARPS + warp;
+    const float scale = qkv_input_scale(a, t);
     if (head >= heads) return;
     // The step's inputs and the weights, read (or brought into L2) before the wait
     // (common.cuh): the position, then the cos/sin row it picks.
@@ -142,9 +159,9 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
     // Lanes take 4 consecutive elements (one 8-byte access in bf16) where a head and the
     // rotary halves are whole groups of 4, else one.
     if (d % 4 == 0 && a.rotary_dim % 8 == 0) {
-        qkv_prepare_head<4>(a, t, head, slot, src, w, cs, h);
+        qkv_prepare_head<4>(a, t, head, slot, src, w, cs, scale, h);
     } else {
-        qkv_prepare_head<1>(a, t, head, slot, src, w, cs, h);
+        qkv_prepare_head<1>(a, t, head, slot, src, w, cs, scale, h);
     }
 }
 
@@ -168,6 +185,7 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(Qk
     const scalar_t* cs = a.cos_sin + (long long)a.positions[t] * a.rotary_dim;
     const scalar_t* w = head < hq ? a.q_norm : a.k_norm;
     prefetch_head_constants(w, cs, d, a.rotary_dim, hl);
+    const float scale = qkv_input_scale(a, t);
     pdl_enter();
     if (head >= hq + 2 * hkv) return;  // whole head groups leave together
     const int i = hl * VEC16;
@@ -176,7 +194,15 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(Qk
     if (head >= hq + hkv) {  // a v head: copied to the cache as it is
         if (slot >= 0) {
             scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d + i;
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+            uint4 v = *reinterpret_cast<const uint4*>(src);
+            if (a.input != nullptr) {
+                float x[VEC16];
+                unpack16(v, x);
+#pragma unroll
+                for (int e = 0; e < VEC16; e++) x[e] *= scale;
+                v = pack16(x);
+            }
+            *reinterpret_cast<uint4*>(dst) = v;
         }
         return;
     }
@@ -184,6 +210,8 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(Qk
     if (!is_q && slot < 0) return;  // the k of a padding token goes nowhere
     float x[VEC16];
     unpack16(*reinterpret_cast<const uint4*>(src), x);
+#pragma unroll
+    for (int e = 0; e < VEC16; e++) x[e] = round_t(x[e] * scale);
     if (w != nullptr) {
         float ss = 0.f;
 #pragma unroll

@@ -576,6 +576,7 @@ impl Backend for CudaBackend {
         qkv: &CudaTensor,
         heads: &PagedAttentionShape,
         qk_norm: Option<(&CudaTensor, &CudaTensor, f32)>,
+        deferred_norm: Option<(&CudaTensor, f32)>,
         positions: &CudaInts,
         cos_sin_cache: &CudaTensor,
         key_cache: &mut CudaTensor,
@@ -599,6 +600,13 @@ impl Backend for CudaBackend {
         if let Some(&s) = slot_mapping.host.iter().find(|&&s| s >= num_slots as i32) {
             bail!("prepare_qkv: slot {s} outside the cache of {num_slots} slots");
         }
+        if let Some((x, _)) = deferred_norm {
+            ensure!(
+                x.rows() == t,
+                "prepare_qkv: input {:?} for {t} tokens",
+                x.shape
+            );
+        }
         let mut q = self.tensor(vec![t, hq * d])?;
         let args = vllm_kernels::cuda::QkvPrepare {
             qkv: &qkv.buf,
@@ -615,6 +623,7 @@ impl Backend for CudaBackend {
             num_q_heads: hq,
             num_kv_heads: hkv,
             head_dim: d,
+            deferred_norm: deferred_norm.map(|(x, eps)| (&*x.buf, x.cols(), eps)),
         };
         self.ops.qkv_prepare(&args, &mut q.buf)?;
         Ok(q)
@@ -723,6 +732,68 @@ impl Backend for CudaBackend {
             }
         }
         self.silu_and_mul(&self.linear_early(x, w, None, early_l2)?)
+    }
+
+    /// At size 1 and in bf16 or f32: in f16 a raw residual's products may pass its 65,504
+    /// where the normed ones would not.
+    fn folds_norms(&self) -> bool {
+        self.comm.is_none() && self.dtype != DType::F16
+    }
+
+    /// Where cuBLAS takes the projections: its kernels take no part in PDL, so a norm
+    /// between two of them is a whole kernel boundary, which the deferred chain removes
+    /// (docs/BENCHMARKS.md, "Norms folded into the projections"). Our own GEMMs below
+    /// that chain under PDL and keep the norms.
+    fn defers_norms(&self, rows: usize) -> bool {
+        let ours_up_to = if self.ops.has_thin_gemm() {
+            THIN_GEMM_MAX_M
+        } else {
+            GEMV_PAYS_MAX_M
+        };
+        rows > ours_up_to
+    }
+
+    fn fold_norm_weight(&self, w: &mut CudaTensor, g: &CudaTensor) -> Result<()> {
+        let (rows, cols) = (w.rows(), w.cols());
+        ensure!(
+            g.numel() == cols,
+            "fold_norm_weight: norm of {} for a weight {:?}",
+            g.numel(),
+            w.shape
+        );
+        self.ops.scale_cols(&mut w.buf, &g.buf, rows, cols)
+    }
+
+    fn linear_add(&self, x: &CudaTensor, w: &CudaTensor, residual: &mut CudaTensor) -> Result<()> {
+        let (m, k, n) = (x.rows(), x.cols(), w.rows());
+        ensure!(
+            self.comm.is_none(),
+            "linear_add: a row-parallel product is summed over the ranks before the add"
+        );
+        ensure!(
+            w.cols() == k && residual.rows() == m && residual.cols() == n,
+            "linear_add: x {:?}, weight {:?}, residual {:?}",
+            x.shape,
+            w.shape,
+            residual.shape
+        );
+        self.take_early_l2();
+        self.gemm
+            .linear_add(&x.buf, &w.buf, &mut residual.buf, m, k, n)
+    }
+
+    fn linear_rms_silu_and_mul(
+        &self,
+        x: &CudaTensor,
+        w: &CudaTensor,
+        eps: f32,
+    ) -> Result<CudaTensor> {
+        let (m, d) = (x.rows(), w.rows() / 2);
+        let gate_up = self.linear(x, w, None)?;
+        let mut out = self.tensor(vec![m, d])?;
+        self.ops
+            .silu_and_mul_rms(&gate_up.buf, &x.buf, &mut out.buf, m, (d, x.cols()), eps)?;
+        Ok(out)
     }
 
     fn gather_rows(&self, x: &CudaTensor, indices: &CudaInts) -> Result<CudaTensor> {

@@ -31,7 +31,6 @@ pub struct Functions<F = CudaFunction> {
     pub qkv_prepare_wide: F,
     pub split_cols: F,
     pub gather_rows: F,
-    pub add_bias: F,
     pub fill: F,
     pub dummy_fill: F,
     /// `gemv_m{M}_r{R}`, indexed by M - 1 (1..=8 rows of x), then R - 1 (1 or 2 rows of
@@ -96,7 +95,6 @@ impl<F> Functions<F> {
             qkv_prepare_wide: f("qkv_prepare_wide")?,
             split_cols: f("split_cols")?,
             gather_rows: f("gather_rows")?,
-            add_bias: f("add_bias")?,
             fill: f("fill")?,
             dummy_fill: f("dummy_fill")?,
             gemv: family([1, 2, 3, 4, 5, 6, 7, 8], |m| {

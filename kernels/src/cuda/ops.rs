@@ -145,6 +145,8 @@ fn qkv_wide_lanes(head_dim: usize, rotary_dim: usize, dtype_size: usize) -> Opti
 /// The inputs of `CudaOps::qkv_prepare`.
 pub struct QkvPrepare<'a> {
     pub qkv: &'a CudaSlice<u8>,
+    /// The projection's bias [(Hq + 2 Hkv) · D], added here.
+    pub bias: Option<&'a CudaSlice<u8>>,
     pub q_norm: Option<&'a CudaSlice<u8>>,
     pub k_norm: Option<&'a CudaSlice<u8>>,
     pub eps: f32,
@@ -177,6 +179,7 @@ struct QkvArgs {
     key_cache: u64,
     value_cache: u64,
     input: u64,
+    bias: u64,
     num_q_heads: i32,
     num_kv_heads: i32,
     head_dim: i32,
@@ -622,6 +625,9 @@ impl CudaOps {
         if let Some((input, hidden, _)) = a.deferred_norm {
             self.check(input, t * hidden, "qkv_prepare input")?;
         }
+        if let Some(bias) = a.bias {
+            self.check(bias, (hq + 2 * hkv) * d, "qkv_prepare bias")?;
+        }
         Self::check_ints(a.positions, t, "qkv_prepare positions")?;
         Self::check_ints(a.slot_mapping, t, "qkv_prepare slot_mapping")?;
         ensure!(
@@ -639,6 +645,7 @@ impl CudaOps {
         let (kc, _g7) = a.key_cache.device_ptr(s);
         let (vc, _g8) = a.value_cache.device_ptr(s);
         let (input, _g9) = a.deferred_norm.map(|(x, _, _)| x.device_ptr(s)).unzip();
+        let (bias, _g10) = a.bias.map(|b| b.device_ptr(s)).unzip();
         let (hidden, input_eps) = a.deferred_norm.map_or((0, 0.0), |(_, h, e)| (h, e));
         let args = QkvArgs {
             qkv,
@@ -651,6 +658,7 @@ impl CudaOps {
             key_cache: kc,
             value_cache: vc,
             input: input.unwrap_or(0),
+            bias: bias.unwrap_or(0),
             num_q_heads: i32_of(hq, "q heads")?,
             num_kv_heads: i32_of(hkv, "kv heads")?,
             head_dim: i32_of(d, "head_dim")?,
@@ -659,7 +667,16 @@ impl CudaOps {
             eps: a.eps,
             input_eps,
         };
-        let pointers = [qkv, qn.unwrap_or(0), kn.unwrap_or(0), cs, q, kc, vc];
+        let pointers = [
+            qkv,
+            qn.unwrap_or(0),
+            kn.unwrap_or(0),
+            cs,
+            q,
+            kc,
+            vc,
+            bias.unwrap_or(0),
+        ];
         let lanes = qkv_wide_lanes(d, a.rotary_dim, self.dtype.size())
             .filter(|_| pointers.iter().all(|p| p % 16 == 0));
         // A warp a head, or with 16-byte lanes 32 / `lanes` heads.
@@ -726,24 +743,6 @@ impl CudaOps {
         let c = i32_of(cols, "cols")?;
         // SAFETY: out checked above; indices are checked against x's rows by the caller.
         launch!(unsafe self, gather_rows, rows_cfg(n, 256); x, indices, out, &c)
-    }
-
-    /// y [rows, cols] += bias [cols].
-    pub fn add_bias(
-        &self,
-        y: &mut CudaSlice<u8>,
-        bias: &CudaSlice<u8>,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        if rows * cols == 0 {
-            return Ok(());
-        }
-        self.check(y, rows * cols, "add_bias y")?;
-        self.check(bias, cols, "add_bias bias")?;
-        let (r, c) = (rows as i64, i32_of(cols, "cols")?);
-        // SAFETY: sizes checked above.
-        launch!(unsafe self, add_bias, grid_stride(rows * cols, self.num_sms); y, bias, &r, &c)
     }
 
     /// Copies a `height` × `width_bytes` block between two device buffers with row pitches

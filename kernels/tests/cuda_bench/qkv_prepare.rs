@@ -31,6 +31,7 @@ fn qkv_prepare_tokens() {
         for deferred in [false, true] {
             let args = QkvPrepare {
                 qkv: &qkv,
+                bias: None,
                 q_norm: Some(&q_norm),
                 k_norm: Some(&k_norm),
                 eps: 1e-6,

@@ -262,7 +262,8 @@ fn inv_rms(row: &[f32], eps: f32) -> f32 {
 /// launch) against the CPU's split, `rms_norm_per_head`, `rotary_embedding_neox` and
 /// `reshape_and_cache`: head sizes of whole 16-byte chunks (128, 64: `qkv_prepare_wide`,
 /// several heads a warp in 16-bit dtypes), one whose lanes take 4 elements (96: 12 chunks)
-/// and one whose lanes take one (36), partial rotary, with and without the norms, and a
+/// and one whose lanes take one (36), partial rotary, with and without the norms, each
+/// plain, with a deferred input norm, with a bias and with both, and a
 /// padding slot whose k and v go nowhere (the caches start random, so a stray or missing
 /// write shows).
 #[test]
@@ -280,19 +281,24 @@ fn qkv_prepare_matches_cpu() {
             (96, 96, true),
             (36, 36, true),
         ];
-        for ((d, rotary_dim, norm), deferred) in
-            heads.into_iter().flat_map(|h| [(h, false), (h, true)])
+        let variants = [(false, false), (true, false), (false, true), (true, true)];
+        for ((d, rotary_dim, norm), (deferred, biased)) in
+            heads.into_iter().flat_map(|h| variants.map(|v| (h, v)))
         {
             let (q_row, kv_row) = (hq * d, hkv * d);
-            let raw = c.round(&r.vec(t * (q_row + 2 * kv_row), 2.0));
-            // A deferred input norm: each row scaled by its input row's 1 / RMS, rounded.
+            let width = q_row + 2 * kv_row;
+            let raw = c.round(&r.vec(t * width, 2.0));
+            // A deferred input norm scales each row by its input row's 1 / RMS; the bias
+            // is added after it, the sum rounded once.
             let hidden = 3 * d + 5;
             let input = c.round(&r.vec(t * hidden, 20.0));
+            let bias = c.round(&r.vec(width, 1.0));
             let mut qkv = raw.clone();
-            if deferred {
-                for (row, x) in qkv.chunks_mut(q_row + 2 * kv_row).zip(input.chunks(hidden)) {
-                    let inv = inv_rms(x, eps);
-                    row.iter_mut().for_each(|v| *v = dtype.round(*v * inv));
+            for (row, x) in qkv.chunks_mut(width).zip(input.chunks(hidden)) {
+                let inv = if deferred { inv_rms(x, eps) } else { 1.0 };
+                for (j, v) in row.iter_mut().enumerate() {
+                    let b = if biased { bias[j] } else { 0.0 };
+                    *v = dtype.round(*v * inv + b);
                 }
             }
             let (qw, kw) = (c.round(&r.vec(d, 1.0)), c.round(&r.vec(d, 1.0)));
@@ -323,11 +329,13 @@ fn qkv_prepare_matches_cpu() {
 
             let (qwd, kwd) = (c.upload(&qw), c.upload(&kw));
             let (qkvd, csd, inputd) = (c.upload(&raw), c.upload(&cos_sin), c.upload(&input));
+            let biasd = c.upload(&bias);
             let (posd, slotd) = (c.ints(&positions), c.ints(&slots));
             let (kc, vc) = (c.upload(&kc0), c.upload(&vc0));
             let mut q_out = c.poisoned(t * q_row);
             let args = QkvPrepare {
                 qkv: &qkvd,
+                bias: biased.then_some(&biasd),
                 q_norm: norm.then_some(&qwd),
                 k_norm: norm.then_some(&kwd),
                 eps,
@@ -346,7 +354,8 @@ fn qkv_prepare_matches_cpu() {
             c.ops.qkv_prepare(&args, &mut q_out).unwrap();
             let what = |part: &str| {
                 format!(
-                    "qkv_prepare d={d} rotary={rotary_dim} norm={norm} deferred={deferred} {part}"
+                    "qkv_prepare d={d} rotary={rotary_dim} norm={norm} deferred={deferred} \
+                     biased={biased} {part}"
                 )
             };
             // Products rounded to the dtype before their sum (rotary.cu) against f32 sums.
@@ -358,8 +367,8 @@ fn qkv_prepare_matches_cpu() {
                 dtype,
                 &c.download(&vc, wv.len()),
                 &wv,
-                // Copied as is; deferred, its scale's sum differs from ours in order.
-                tol(dtype, if deferred { 1.0 } else { 0.0 }),
+                // Copied as is, or scaled (by a sum in another order than ours) and biased.
+                tol(dtype, if deferred || biased { 1.0 } else { 0.0 }),
             );
         }
     }
@@ -456,24 +465,6 @@ fn copies_match_cpu() {
             &c.download(&out, want.len()),
             &want,
             tol(dtype, 0.0),
-        );
-        // add_bias
-        let bias = c.round(&r.vec(cols, 1.0));
-        let mut y = c.upload(&x);
-        c.ops
-            .add_bias(&mut y, &c.upload(&bias), rows, cols)
-            .unwrap();
-        let want: Vec<f32> = x
-            .iter()
-            .enumerate()
-            .map(|(i, v)| v + bias[i % cols])
-            .collect();
-        assert_close(
-            "add_bias",
-            dtype,
-            &c.download(&y, want.len()),
-            &want,
-            tol(dtype, 1.0),
         );
     }
 }

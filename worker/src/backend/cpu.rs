@@ -238,20 +238,19 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn linear(&self, x: &CpuTensor, w: &CpuTensor, bias: Option<&CpuTensor>) -> Result<CpuTensor> {
+    fn linear(&self, x: &CpuTensor, w: &CpuTensor) -> Result<CpuTensor> {
         let (m, kk, n) = (x.rows(), x.cols(), w.rows());
         ensure!(
             w.cols() == kk,
             "linear: x has {kk} columns, weight {:?}",
             w.shape
         );
-        let bias = bias.map(CpuTensor::dense).transpose()?;
         let mut out = CpuTensor::poisoned(m, n);
         match (w.packed(), self.fast()) {
             (Some(pw), Some((pool, isa))) => {
-                fast::matmul::linear(x.dense()?, m, pw, bias, &mut out.data, pool, isa)
+                fast::matmul::linear(x.dense()?, m, pw, None, &mut out.data, pool, isa)
             }
-            _ => k::linear(x.dense()?, w.dense()?, bias, m, kk, n, &mut out.data),
+            _ => k::linear(x.dense()?, w.dense()?, None, m, kk, n, &mut out.data),
         }
         Ok(out)
     }
@@ -269,7 +268,7 @@ impl Backend for CpuBackend {
                 fast::matmul::linear_silu_and_mul(x.dense()?, m, pw, &mut out.data, pool, isa);
                 Ok(out)
             }
-            _ => self.silu_and_mul(&self.linear(x, w, None)?),
+            _ => self.silu_and_mul(&self.linear(x, w)?),
         }
     }
 
@@ -314,6 +313,7 @@ impl Backend for CpuBackend {
     fn prepare_qkv(
         &self,
         qkv: &CpuTensor,
+        bias: Option<&CpuTensor>,
         heads: &PagedAttentionShape,
         qk_norm: Option<(&CpuTensor, &CpuTensor, f32)>,
         deferred_norm: Option<(&CpuTensor, f32)>,
@@ -332,10 +332,25 @@ impl Backend for CpuBackend {
         let mut parts = self
             .split_cols(qkv, &[q_cols, kv_cols, kv_cols])?
             .into_iter();
-        let (Some(mut q), Some(mut kt), Some(v)) = (parts.next(), parts.next(), parts.next())
+        let (Some(mut q), Some(mut kt), Some(mut v)) = (parts.next(), parts.next(), parts.next())
         else {
             anyhow::bail!("split_cols returned fewer than 3 parts");
         };
+        if let Some(bias) = bias {
+            ensure!(
+                bias.data.len() == q_cols + 2 * kv_cols,
+                "prepare_qkv: a bias of {} for {} columns",
+                bias.data.len(),
+                q_cols + 2 * kv_cols
+            );
+            let (bq, bkv) = bias.data.split_at(q_cols);
+            let (bk, bv) = bkv.split_at(kv_cols);
+            for (part, b) in [(&mut q, bq), (&mut kt, bk), (&mut v, bv)] {
+                for row in part.data.chunks_exact_mut(b.len().max(1)) {
+                    row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+                }
+            }
+        }
         if let Some((q_weight, k_weight, eps)) = qk_norm {
             k::rms_norm_per_head(&mut q.data, &q_weight.data, eps);
             k::rms_norm_per_head(&mut kt.data, &k_weight.data, eps);

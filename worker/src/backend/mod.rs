@@ -165,13 +165,8 @@ pub trait Backend {
         ids: &Self::Ints,
         vocab_start: usize,
     ) -> Result<Self::Tensor>;
-    /// `x · wᵀ + bias`, `w` in [out, in] layout.
-    fn linear(
-        &self,
-        x: &Self::Tensor,
-        w: &Self::Tensor,
-        bias: Option<&Self::Tensor>,
-    ) -> Result<Self::Tensor>;
+    /// `x · wᵀ`, `w` in [out, in] layout.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// `residual += x; x = rms_norm(residual)`, in place.
     fn fused_add_rms_norm(
@@ -183,11 +178,11 @@ pub trait Backend {
     ) -> Result<()>;
     /// Splits the columns of `x` into consecutive parts of the given widths (q, k, v).
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
-    /// Everything between the fused qkv projection and attention: splits `qkv`
-    /// [T, (hq + 2·hkv)·d] into q, k and v heads, RMSNorms q and k per head when
-    /// `qk_norm` (q weight, k weight, eps) is given, applies neox rotary to both at
-    /// `positions`, writes k and v to the cache at `slot_mapping`, and returns q
-    /// [T, hq·d]. The CPU runs the single ops; CUDA fuses them into one launch.
+    /// Everything between the fused qkv projection and attention: adds the projection's
+    /// `bias` (Qwen2), splits `qkv` [T, (hq + 2·hkv)·d] into q, k and v heads, RMSNorms
+    /// q and k per head when `qk_norm` (q weight, k weight, eps) is given, applies neox
+    /// rotary to both at `positions`, writes k and v to the cache at `slot_mapping`, and
+    /// returns q [T, hq·d]. The CPU runs the single ops; CUDA fuses them into one launch.
     /// `deferred_norm` (the projection's input and its norm's eps, only where
     /// `folds_norms`): the projection read the raw residual, so each row is first scaled by
     /// that input row's 1 / RMS.
@@ -195,6 +190,7 @@ pub trait Backend {
     fn prepare_qkv(
         &self,
         qkv: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
         heads: &PagedAttentionShape,
         qk_norm: Option<(&Self::Tensor, &Self::Tensor, f32)>,
         deferred_norm: Option<(&Self::Tensor, f32)>,
@@ -218,7 +214,7 @@ pub trait Backend {
     /// `silu_and_mul(linear(x, w))` for the fused gate/up weight `w` [2d, in]; a backend
     /// may fuse the two (the CPU backend does, saving the [T, 2d] round trip).
     fn linear_silu_and_mul(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor> {
-        self.silu_and_mul(&self.linear(x, w, None)?)
+        self.silu_and_mul(&self.linear(x, w)?)
     }
     /// Whether this backend runs deferred norms (`LlamaForCausalLM::forward_deferred`):
     /// the RMSNorm before a projection folded into its columns at load
@@ -288,7 +284,7 @@ pub trait Backend {
         weight: &Self::Tensor,
         eps: f32,
     ) -> Result<Self::Tensor> {
-        let mut y = self.linear(x, w, None)?;
+        let mut y = self.linear(x, w)?;
         self.all_reduce_add_rms_norm(&mut y, residual, weight, eps)?;
         Ok(y)
     }

@@ -73,7 +73,7 @@ impl<B: Backend> ParallelLMHead<B> {
 
     /// Logits [rows, vocab] of hidden states [rows, hidden].
     pub fn forward(&self, b: &B, hidden: &B::Tensor) -> Result<B::Tensor> {
-        let logits = b.all_gather_cols(b.linear(hidden, &self.weight, None)?)?;
+        let logits = b.all_gather_cols(b.linear(hidden, &self.weight)?)?;
         if self.padded_vocab == self.vocab {
             return Ok(logits);
         }

@@ -75,18 +75,19 @@ impl<B: Backend> QKVParallelLinear<B> {
     }
 
     /// [T, (heads + 2·kv_heads)·head_dim]: this rank's q, k and v heads side by side
-    /// (`Backend::prepare_qkv` takes them apart).
+    /// (`Backend::prepare_qkv` takes them apart), without the bias, which
+    /// `prepare_qkv` adds (after a deferred norm's scale).
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        b.linear(x, &self.weight, self.bias.as_ref())
+        b.linear(x, &self.weight)
     }
 
-    /// Folds `norm`, the norm before this projection, into the weight. Not with a bias,
-    /// which would have to be added after the deferred norm's scale.
+    /// The bias of `forward`'s columns, for `Backend::prepare_qkv`.
+    pub fn bias(&self) -> Option<&B::Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// Folds `norm`, the norm before this projection, into the weight.
     pub fn fold_norm(&mut self, b: &B, norm: &mut RmsNorm<B>) -> Result<()> {
-        ensure!(
-            self.bias.is_none(),
-            "a qkv projection with a bias keeps its norm"
-        );
         norm.fold_into(b, &mut self.weight)
     }
 }
@@ -111,7 +112,7 @@ impl<B: Backend> MergedColumnParallelLinear<B> {
     }
 
     pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
-        b.linear(x, &self.weight, None)
+        b.linear(x, &self.weight)
     }
 
     /// `silu(gate) · up` of the two halves of the output (the gated MLP), fused where the

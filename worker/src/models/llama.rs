@@ -97,6 +97,7 @@ impl<B: Backend> LlamaAttention<B> {
         let layer_cache = &mut cache.layers[layer];
         let q = b.prepare_qkv(
             &qkv,
+            self.qkv_proj.bias(),
             &shape,
             qk_norm,
             deferred_norm.map(|eps| (x, eps)),
@@ -174,9 +175,8 @@ impl<B: Backend> LlamaForCausalLM<B> {
         let vb = VarBuilder::new(b, weights, tp);
         let model = vb.pp("model");
         let embed_tokens = VocabParallelEmbedding::load(&model.pp("embed_tokens"), v, h)?;
-        // A qkv bias would have to be added after the deferred norm's scale; at tensor-
-        // parallel sizes above 1 the residual adds follow the all-reduces.
-        let norms_folded = b.folds_norms() && tp.size == 1 && !variant.qkv_bias;
+        // At tensor-parallel sizes above 1 the residual adds follow the all-reduces.
+        let norms_folded = b.folds_norms() && tp.size == 1;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for n in 0..cfg.num_hidden_layers {
             let layer = model.pp("layers").pp(n);

@@ -18,7 +18,9 @@
 //
 // With `input` given, the projection read the raw residual (a deferred input norm,
 // norm.cu): every value of the row is first scaled by the 1 / RMS of the token's `input`
-// row and rounded to the dtype, as the normed projection's output would be.
+// row. The projection's bias (Qwen2), when given, is added here, after that scale, and
+// the sum rounded to the dtype once, as a GEMM with a bias epilogue rounds its output
+// (without a deferred norm: the bits of a separate bias add on the rounded product).
 
 #define QKV_WARPS 4
 #define QKV_MAX_HEAD_DIM 256
@@ -34,6 +36,7 @@ struct QkvArgs {
     scalar_t* key_cache;       // [num_slots, Hkv * D]
     scalar_t* value_cache;
     const scalar_t* input;     // [T, hidden]: the projection's input, or null
+    const scalar_t* bias;      // [(Hq + 2 Hkv) * D], or null
     int num_q_heads;
     int num_kv_heads;
     int head_dim;
@@ -45,10 +48,18 @@ struct QkvArgs {
 
 // One head of token t, its lane's V consecutive elements at a time (V = 1 or 4; with 4,
 // d and the rotary halves are multiples of 4, so a group never straddles a boundary).
+// Element i of a head's projection: scaled (a deferred norm) plus its bias. Without a bias
+// it adds -0, which leaves every value as it is (+0 would turn -0 into +0).
+__device__ __forceinline__ float qkv_value(float v, float scale, const scalar_t* bias, int i) {
+    return v * scale + (bias != nullptr ? to_f32(bias[i]) : -0.f);
+}
+
 template <int V>
 __device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, int head, int slot,
                                                  const scalar_t* src, const scalar_t* w,
                                                  const scalar_t* cs, float scale, float* h) {
+    // This head's bias, or null.
+    const scalar_t* b = a.bias != nullptr ? a.bias + (long long)head * a.head_dim : nullptr;
     const int lane = threadIdx.x & 31;
     const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
     const long long kv_row = (long long)hkv * d;
@@ -61,7 +72,7 @@ __device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, 
                 float v[V];
                 load_v<V>(src + i, v);
 #pragma unroll
-                for (int e = 0; e < V; e++) v[e] *= scale;
+                for (int e = 0; e < V; e++) v[e] = qkv_value(v[e], scale, b, i + e);
                 store_v<V>(dst + i, v);
             }
         }
@@ -74,7 +85,7 @@ __device__ __forceinline__ void qkv_prepare_head(const QkvArgs& a, long long t, 
         load_v<V>(src + i, v);
 #pragma unroll
         for (int e = 0; e < V; e++) {
-            const float x = round_t(v[e] * scale);
+            const float x = round_t(qkv_value(v[e], scale, b, i + e));
             h[i + e] = x;
             ss += x * x;
         }
@@ -186,20 +197,30 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(Qk
     const scalar_t* w = head < hq ? a.q_norm : a.k_norm;
     prefetch_head_constants(w, cs, d, a.rotary_dim, hl);
     const float scale = qkv_input_scale(a, t);
+    const int i = hl * VEC16;
+    // This lane's chunk of the head's bias, a weight: loaded before the wait (-0 without
+    // one, as in qkv_value).
+    float bias[VEC16];
+    const bool biased = a.bias != nullptr && head < hq + 2 * hkv;
+    if (biased) {
+        unpack16(*reinterpret_cast<const uint4*>(a.bias + (long long)head * d + i), bias);
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC16; e++) bias[e] = -0.f;
+    }
     pdl_enter();
     if (head >= hq + 2 * hkv) return;  // whole head groups leave together
-    const int i = hl * VEC16;
     const scalar_t* src = a.qkv + (t * (hq + 2 * hkv) + head) * d + i;
     const long long kv_row = (long long)hkv * d;
     if (head >= hq + hkv) {  // a v head: copied to the cache as it is
         if (slot >= 0) {
             scalar_t* dst = a.value_cache + slot * kv_row + (long long)(head - hq - hkv) * d + i;
             uint4 v = *reinterpret_cast<const uint4*>(src);
-            if (a.input != nullptr) {
+            if (a.input != nullptr || biased) {
                 float x[VEC16];
                 unpack16(v, x);
 #pragma unroll
-                for (int e = 0; e < VEC16; e++) x[e] *= scale;
+                for (int e = 0; e < VEC16; e++) x[e] = x[e] * scale + bias[e];
                 v = pack16(x);
             }
             *reinterpret_cast<uint4*>(dst) = v;
@@ -211,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(Qk
     float x[VEC16];
     unpack16(*reinterpret_cast<const uint4*>(src), x);
 #pragma unroll
-    for (int e = 0; e < VEC16; e++) x[e] = round_t(x[e] * scale);
+    for (int e = 0; e < VEC16; e++) x[e] = round_t(x[e] * scale + bias[e]);
     if (w != nullptr) {
         float ss = 0.f;
 #pragma unroll

@@ -227,13 +227,7 @@ fn check_block_tables(
 
 impl CudaBackend {
     /// `Backend::linear`, a gemv asking L2 for `early_l2` bytes of w before it waits.
-    fn linear_early(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        bias: Option<&CudaTensor>,
-        early_l2: usize,
-    ) -> Result<CudaTensor> {
+    fn linear_early(&self, x: &CudaTensor, w: &CudaTensor, early_l2: usize) -> Result<CudaTensor> {
         let (m, k, n) = (x.rows(), x.cols(), w.rows());
         ensure!(
             w.cols() == k,
@@ -253,10 +247,6 @@ impl CudaBackend {
                 .gemv(&x.buf, &w.buf, &mut out.buf, (m, k, n), early_l2)?;
         } else {
             self.gemm.linear(&x.buf, &w.buf, &mut out.buf, m, k, n)?;
-        }
-        if let Some(b) = bias {
-            ensure!(b.numel() == n, "linear: bias {:?} for {n} outputs", b.shape);
-            self.ops.add_bias(&mut out.buf, &b.buf, m, n)?;
         }
         Ok(out)
     }
@@ -511,14 +501,9 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn linear(
-        &self,
-        x: &CudaTensor,
-        w: &CudaTensor,
-        bias: Option<&CudaTensor>,
-    ) -> Result<CudaTensor> {
+    fn linear(&self, x: &CudaTensor, w: &CudaTensor) -> Result<CudaTensor> {
         let early_l2 = self.take_early_l2();
-        self.linear_early(x, w, bias, early_l2)
+        self.linear_early(x, w, early_l2)
     }
 
     fn rms_norm(&self, x: &CudaTensor, weight: &CudaTensor, eps: f32) -> Result<CudaTensor> {
@@ -574,6 +559,7 @@ impl Backend for CudaBackend {
     fn prepare_qkv(
         &self,
         qkv: &CudaTensor,
+        bias: Option<&CudaTensor>,
         heads: &PagedAttentionShape,
         qk_norm: Option<(&CudaTensor, &CudaTensor, f32)>,
         deferred_norm: Option<(&CudaTensor, f32)>,
@@ -610,6 +596,7 @@ impl Backend for CudaBackend {
         let mut q = self.tensor(vec![t, hq * d])?;
         let args = vllm_kernels::cuda::QkvPrepare {
             qkv: &qkv.buf,
+            bias: bias.map(|b| &*b.buf),
             q_norm: qk_norm.map(|(w, _, _)| &*w.buf),
             k_norm: qk_norm.map(|(_, w, _)| &*w.buf),
             eps: qk_norm.map_or(0.0, |(_, _, eps)| eps),
@@ -731,7 +718,7 @@ impl Backend for CudaBackend {
                 return Ok(out);
             }
         }
-        self.silu_and_mul(&self.linear_early(x, w, None, early_l2)?)
+        self.silu_and_mul(&self.linear_early(x, w, early_l2)?)
     }
 
     /// At size 1 and in bf16 or f32: in f16 a raw residual's products may pass its 65,504
@@ -789,7 +776,7 @@ impl Backend for CudaBackend {
         eps: f32,
     ) -> Result<CudaTensor> {
         let (m, d) = (x.rows(), w.rows() / 2);
-        let gate_up = self.linear(x, w, None)?;
+        let gate_up = self.linear(x, w)?;
         let mut out = self.tensor(vec![m, d])?;
         self.ops
             .silu_and_mul_rms(&gate_up.buf, &x.buf, &mut out.buf, m, (d, x.cols()), eps)?;
@@ -850,7 +837,7 @@ impl Backend for CudaBackend {
         if let Some(out) = self.gemv_all_reduce_add_rms_norm(x, w, residual, weight, eps)? {
             return Ok(out);
         }
-        let mut y = self.linear(x, w, None)?;
+        let mut y = self.linear(x, w)?;
         self.all_reduce_add_rms_norm(&mut y, residual, weight, eps)?;
         Ok(y)
     }

@@ -420,7 +420,7 @@ fn gemv_all_reduce_norm_equals_the_three_ops() {
                 .linear_all_reduce_add_rms_norm(&x, &w, &mut r1, &nw, 1e-6)
                 .expect("fused");
             let mut r2 = up(res, vec![m, d]);
-            let mut y2 = b.linear(&x, &w, None).expect("gemv");
+            let mut y2 = b.linear(&x, &w).expect("gemv");
             comm.all_reduce(&mut y2).expect("all-reduce");
             b.fused_add_rms_norm(&mut y2, &mut r2, &nw, 1e-6)
                 .expect("norm");

@@ -207,6 +207,8 @@ fn cuda_graphs_and_eager_give_identical_greedy_output() {
     for (preset, dtype, attention_backend) in [
         ("tiny-qwen3", Some("float32"), Flash),
         ("tiny-llama", Some("float32"), Flash),
+        // A qkv bias, added by qkv_prepare (after the deferred norm's scale at 37).
+        ("tiny-qwen2", None, Flash),
         ("tiny-qwen3", None, Flash),
         ("qwen3-0.6b", None, Flash),
         // Decode steps on the tile kernel (the graphs replay it too).

@@ -19,7 +19,7 @@ pub use attention::paged_attention;
 pub use cache::reshape_and_cache;
 pub use embedding::embedding;
 pub use gemm::linear;
-pub use norm::{fused_add_rms_norm, rms_norm, rms_norm_per_head};
+pub use norm::{fused_add_rms_norm, inv_rms, rms_norm, rms_norm_per_head};
 pub use rotary::{
     compute_cos_sin_cache, compute_inv_freq, rotary_embedding_neox, Llama3RopeScaling,
 };

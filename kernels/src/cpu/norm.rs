@@ -3,9 +3,15 @@
 //!
 //! `y = x / sqrt(mean(x²) + eps) * weight`, accumulated in f32 left to right.
 
-fn normalize_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+/// 1 / RMS of a row, eps inside the root: the scale every norm here applies (and the
+/// deferred norm's, norm.cu's `row_inv_rms`).
+pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
     let sum_sq: f32 = x.iter().map(|v| v * v).sum();
-    let inv_rms = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
+    1.0 / (sum_sq / x.len() as f32 + eps).sqrt()
+}
+
+fn normalize_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let inv_rms = inv_rms(x, eps);
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
         *o = v * inv_rms * w;
     }

@@ -205,7 +205,7 @@ fn deferred_norm_kernels_match_cpu() {
             let src = c.round(&r.vec(rows * hidden, 30.0));
             let mut scaled = x.clone();
             for (row, s) in scaled.chunks_mut(2 * d).zip(src.chunks(hidden)) {
-                let inv = inv_rms(s, eps);
+                let inv = cpu::inv_rms(s, eps);
                 row.iter_mut().for_each(|v| *v = dtype.round(*v * inv));
             }
             let mut want = vec![0.0; rows * d];
@@ -252,12 +252,6 @@ fn deferred_norm_kernels_match_cpu() {
     }
 }
 
-/// 1 / RMS of a row, eps inside the root (norm.cu's `row_inv_rms`).
-fn inv_rms(row: &[f32], eps: f32) -> f32 {
-    let ss: f32 = row.iter().map(|v| v * v).sum();
-    1.0 / (ss / row.len() as f32 + eps).sqrt()
-}
-
 /// `qkv_prepare` (split, q/k per-head RMSNorm, neox rotary, k and v into the cache, one
 /// launch) against the CPU's split, `rms_norm_per_head`, `rotary_embedding_neox` and
 /// `reshape_and_cache`: head sizes of whole 16-byte chunks (128, 64: `qkv_prepare_wide`,
@@ -295,7 +289,7 @@ fn qkv_prepare_matches_cpu() {
             let bias = c.round(&r.vec(width, 1.0));
             let mut qkv = raw.clone();
             for (row, x) in qkv.chunks_mut(width).zip(input.chunks(hidden)) {
-                let inv = if deferred { inv_rms(x, eps) } else { 1.0 };
+                let inv = if deferred { cpu::inv_rms(x, eps) } else { 1.0 };
                 for (j, v) in row.iter_mut().enumerate() {
                     let b = if biased { bias[j] } else { 0.0 };
                     *v = dtype.round(*v * inv + b);

@@ -366,6 +366,19 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
     const KeySlots<COMPACT> slots = KeySlots<COMPACT>::at(dec_smem, kv_row);  // [partition]
     for (int k = k_begin + tid; k < k_end; k += DEC_THREADS)
         slots.set(k - k_begin, cache_slot(table, k, a.block_size), kv_row, head);
+    // The partition's first keys asked into L2 before the wait too: HBM idles while the
+    // kernel before (qkv_prepare) runs, and the blocks resident then start pass 1 from
+    // L2. A line a thread; the newest key, which that kernel writes, may be among them
+    // (L2 is where its write lands, so the hint reads nothing stale).
+    __syncthreads();  // the slots, for the hint and every pass
+    {
+        constexpr int ROW_BYTES = D * (int)sizeof(scalar_t);
+        constexpr int LINES = ROW_BYTES > 128 ? ROW_BYTES / 128 : 1;
+        const int k = k_begin + tid / LINES;
+        if (k < k_end)
+            prefetch_l2(a.key_cache + KeySlots<COMPACT>::head_offset(head) + slots[k - k_begin] +
+                        (tid % LINES) * (128 / (int)sizeof(scalar_t)));
+    }
     pdl_enter();
     float q[GP][8];
 #pragma unroll
@@ -379,7 +392,6 @@ __device__ void paged_attention_decode_impl(const DecodeArgs& a) {
             for (int e = 0; e < 8; ++e) q[h][e] = 0.f;
         }
     }
-    __syncthreads();
     // This lane's 8 columns of a key row.
     const long long lane_start = KeySlots<COMPACT>::head_offset(head) + sub * 8;
     const scalar_t* k_lane = a.key_cache + lane_start;

@@ -83,9 +83,10 @@ __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
     return v;
 }
 
-// Brings the 128-byte line holding p into L2 (a hint: no value, no fault). Pays only in a
-// kernel of a few rows (a batch-1 step's chain of short kernels): with hundreds of blocks
-// prefetching the same lines it made them slower.
+// Brings the 128-byte line holding p into L2 (a hint: no value, no fault). Pays in a
+// kernel of a few rows (a batch-1 step's chain of short kernels; with hundreds of blocks
+// prefetching the same lines it made them slower), and for lines a block reads first,
+// asked for before its PDL wait (the decode kernel's first keys).
 #define PREFETCH_MAX_ROWS 8
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

@@ -16,10 +16,15 @@ use super::*;
 pub(super) fn sampling(dev: &CudaDevice, ops: &CudaOps) {
     // `VLLM_BENCH_CASE`: only the case of that name (one case under ncu).
     let only = std::env::var("VLLM_BENCH_CASE").unwrap_or_default();
+    // `VLLM_BENCH_ROWS`: a smaller batch (the first rows of the logits).
+    let seqs = std::env::var("VLLM_BENCH_ROWS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(SEQS, |n| n.clamp(1, SEQS));
     let logits = random(dev, SEQS * VOCAB, 4);
     let peaked = peaked(dev, 4);
     let normal = normal(dev, 4);
-    let bytes = (SEQS * VOCAB * 2) as f64;
+    let bytes = (seqs * VOCAB * 2) as f64;
     for (name, temperature, top_k, top_p, min_p, x) in [
         ("greedy", 0.0, -1, 1.0, 0.0, &logits),
         ("temperature 0.6", 0.6, -1, 1.0, 0.0, &logits),
@@ -61,25 +66,25 @@ pub(super) fn sampling(dev: &CudaDevice, ops: &CudaOps) {
             min_p,
             uniform: 0.37,
         });
-        let rows = vec![row; SEQS];
+        let rows = vec![row; seqs];
         let batch = SamplingBatch::plain(&rows);
         // One checked call first: how many rows the fast path handed back.
         let back = ops.sample_tokens_ex(x, VOCAB, &batch, true).unwrap();
         let s = time(dev, 20, || {
             ops.sample_tokens_ex(x, VOCAB, &batch, false).unwrap();
         });
-        report(&format!("sample_tokens_ex {name} {SEQS}x{VOCAB}"), s, bytes);
+        report(&format!("sample_tokens_ex {name} {seqs}x{VOCAB}"), s, bytes);
         // As the worker's overlapped steps sample: nothing waits for the tokens, so the
         // calls queue back to back and this is the GPU's time a call (the rows' copy in,
         // the launches with their dependent-launch overlap, the tokens' copy out).
-        let mut out = dev.stream.alloc_zeros::<i32>(SEQS).unwrap();
+        let mut out = dev.stream.alloc_zeros::<i32>(seqs).unwrap();
         let s = time(dev, 50, || {
             ops.sample_tokens_on_device(x, VOCAB, &batch, &mut out)
                 .unwrap();
         });
         report(&format!("sample_tokens_on_device {name}"), s, bytes);
         println!(
-            "BENCH sampling   {name}: {} of {SEQS} rows handed to the general kernel",
+            "BENCH sampling   {name}: {} of {seqs} rows handed to the general kernel",
             back.handed_back
         );
     }

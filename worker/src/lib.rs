@@ -4,6 +4,7 @@ pub mod backend;
 pub mod communicator;
 pub mod config;
 pub mod cuda_graphs;
+pub mod exponential_race;
 pub mod input_batch;
 pub mod kv_cache;
 pub mod layers;

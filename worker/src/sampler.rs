@@ -5,8 +5,9 @@
 //! "raw_logprobs"`: log-softmax of the model's logits before any processing) → logit_bias
 //! → min_tokens (eos and stop ids masked) → repetition, frequency and presence penalties →
 //! greedy argmax when temperature < 1e-5, else temperature → min-p → top-k → top-p →
-//! inverse-CDF draw. vLLM V1 applies min-p (an argmax-invariant logits processor) before
-//! top-k/top-p; we follow it.
+//! inverse-CDF draw, or for a plain temperature row (none of the three) the exponential
+//! race (`exponential_race.rs`: vLLM's own draw, one pass). vLLM V1 applies min-p (an
+//! argmax-invariant logits processor) before top-k/top-p; we follow it.
 //!
 //! Randomness: a seeded request draws its uniform from a counter-based hash of
 //! (seed, number of tokens already generated), so its tokens do not depend on the batch it
@@ -14,6 +15,8 @@
 //! from the sampler's own generator.
 
 use vllm_protocol::{SamplingParams, TokenLogprobs};
+
+use crate::exponential_race::{race_token, RaceKey};
 
 /// What the sampler needs to know about one request of the batch.
 pub struct SamplingRequest<'a> {
@@ -77,7 +80,7 @@ impl Sampler {
 const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// splitmix64's finaliser: a bijective avalanche mix of 64 bits.
-fn mix64(mut z: u64) -> u64 {
+pub(crate) fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
@@ -218,7 +221,8 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
-/// Temperature, min-p, top-k, top-p, then an inverse-CDF draw over what is left.
+/// Temperature, then the exponential race for a plain row; else min-p, top-k, top-p and an
+/// inverse-CDF draw over what is left.
 fn sample_random(row: &mut [f32], params: &SamplingParams, uniform: f64) -> u32 {
     let fallback = argmax(row);
     let inv_t = 1.0 / params.temperature;
@@ -230,6 +234,11 @@ fn sample_random(row: &mut [f32], params: &SamplingParams, uniform: f64) -> u32 
     let max = row[fallback as usize];
     if max == f32::NEG_INFINITY {
         return fallback; // everything is masked: nothing better to do than vLLM's argmax
+    }
+    // As the kernels decide it (`race_row`): a NaN min-p or top-p is off.
+    let (min_p_on, top_p_on) = (params.min_p > 0.0, params.top_p < 1.0);
+    if !min_p_on && !top_p_on && params.top_k_enabled().is_none() {
+        return race_token(row, RaceKey::of_uniform(uniform)).unwrap_or(fallback);
     }
     // Candidates: token ids with a finite logit, in id order.
     let mut cand: Vec<u32> = (0..row.len() as u32)

@@ -32,7 +32,8 @@ pub const ENTRY_MASK: i32 = 2;
 /// [`SampleRowEx::path`]: the row is sampled by sampling_fast.cu (`PATH_FAST` there).
 pub const PATH_FAST: i32 = 1;
 /// Tokens of one block of the fast path (`FAST_CHUNK` in sampling_fast.cu), of one block
-/// of `sample_fast_draw` (`DRAW_CHUNK`) and of one of `sample_fast_max` (`MAX_CHUNK`).
+/// of `sample_fast_draw` (`DRAW_CHUNK`) and of one of `sample_fast_max` and
+/// `sample_fast_max_race` (`MAX_CHUNK`).
 const FAST_CHUNK: usize = 16384;
 const DRAW_CHUNK: usize = 8192;
 const MAX_CHUNK: usize = 8192;
@@ -71,7 +72,8 @@ pub struct SampleRow {
     pub top_k: i32,
     pub top_p: f32,
     pub min_p: f32,
-    /// The row's uniform draw in [0, 1).
+    /// The row's uniform draw in [0, 1): the inverse CDF's target, or a plain temperature
+    /// row's race key (its 53 bits, worker/src/exponential_race.rs).
     pub uniform: f64,
 }
 // SAFETY: repr(C) plain data, the layout of the CUDA struct.
@@ -122,9 +124,9 @@ impl SampleRowEx {
         self.is_top() && self.base.top_k <= 0
     }
 
-    /// A draw that `sample_fast_max_draw` finishes in its one pass (`one_pass_row` in
-    /// sampling_fast.cu): temperature without min-p, top-k or top-p.
-    fn one_pass(&self) -> bool {
+    /// A draw by the exponential race (`race_row` in sampling_fast.cu): temperature without
+    /// min-p, top-k or top-p.
+    fn races(&self) -> bool {
         let min_p_off = self.base.min_p <= 0.0 || self.base.min_p.is_nan();
         !self.is_greedy() && !self.is_top() && min_p_off
     }
@@ -412,28 +414,27 @@ struct FastPlan {
     /// Some rows are top rows: `sample_fast_top` (their candidates and merge) instead of
     /// `sample_fast_max`, and `sample_fast_draw_top` when a second launch is needed.
     top: bool,
-    /// Some row is drawn in the first launch's one pass (`sample_fast_max_draw`).
-    one_pass: bool,
-    /// A second launch is needed: min-p rows, top-p rows that may need the row's total
-    /// mass, and in top batches every plain temperature row (`sample_fast_top` takes only
-    /// their maximum).
+    /// Some row races (`sample_fast_max_race`, or inside `sample_fast_top`).
+    race: bool,
+    /// A second launch is needed: min-p rows and top-p rows that may need the row's total
+    /// mass.
     draw: bool,
 }
 
 impl FastPlan {
     /// The plan of the rows that take the fast path.
     fn of<'a>(rows: impl Iterator<Item = &'a SampleRowEx>) -> Self {
-        let (mut top, mut one_pass, mut min_p, mut need_total) = (false, false, false, false);
+        let (mut top, mut race, mut min_p, mut need_total) = (false, false, false, false);
         for r in rows {
             top |= r.is_top();
-            one_pass |= r.one_pass();
-            min_p |= !r.is_greedy() && !r.is_top() && !r.one_pass();
+            race |= r.races();
+            min_p |= !r.is_greedy() && !r.is_top() && !r.races();
             need_total |= r.may_need_total();
         }
         Self {
             top,
-            one_pass: one_pass && !top,
-            draw: min_p || need_total || (top && one_pass),
+            race: race && !top,
+            draw: min_p || need_total,
         }
     }
 }
@@ -485,11 +486,7 @@ impl CudaOps {
         s: &mut ScratchBuffers,
         plan: FastPlan,
     ) -> Result<()> {
-        let FastPlan {
-            top,
-            one_pass,
-            draw,
-        } = plan;
+        let FastPlan { top, race, draw } = plan;
         ensure!(
             rows <= 65_535,
             "sampling: {rows} rows exceed the fast path's grid"
@@ -510,10 +507,10 @@ impl CudaOps {
                 &mut s.part_val, &mut s.part_id, &mut s.cand, &mut s.cand_n,
                 &mut s.cand_bound, &mut s.counters, &mut s.row_max, &mut s.row_fallback,
                 &mut s.tokens)?;
-        } else if one_pass {
-            launch!(unsafe self, sample_fast_max_draw, cfg; logits, &vocab, &s.params,
-                &mut s.part_val, &mut s.part_id, &mut s.part_mass, &mut s.part_last,
-                &mut s.counters, &mut s.row_max, &mut s.row_fallback, &mut s.tokens)?;
+        } else if race {
+            launch!(unsafe self, sample_fast_max_race, grid(MAX_CHUNK); logits, &vocab,
+                &s.params, &mut s.row_key, &mut s.counters, &mut s.row_max,
+                &mut s.row_fallback, &mut s.tokens)?;
         } else {
             launch!(unsafe self, sample_fast_max, grid(MAX_CHUNK); logits, &vocab, &s.params,
                 &mut s.row_key, &mut s.counters, &mut s.row_max, &mut s.row_fallback,
@@ -853,19 +850,15 @@ mod tests {
         let top_k = row(0.7, 20, 1.0, 0.0);
         let top_p = row(0.7, 0, 0.9, 0.0);
         let plan = |rows: &[SampleRowEx]| FastPlan::of(rows.iter());
-        let want = |top, one_pass, draw| FastPlan {
-            top,
-            one_pass,
-            draw,
-        };
+        let want = |top, race, draw| FastPlan { top, race, draw };
         assert_eq!(plan(&[greedy]), want(false, false, false));
         assert_eq!(plan(&[greedy, plain]), want(false, true, false));
         assert_eq!(plan(&[plain, min_p]), want(false, true, true));
         assert_eq!(plan(&[greedy, min_p]), want(false, false, true));
         assert_eq!(plan(&[greedy, top_k]), want(true, false, false));
         assert_eq!(plan(&[top_p]), want(true, false, true));
-        // sample_fast_top takes only a plain row's maximum: the second launch draws it.
-        assert_eq!(plan(&[top_k, plain]), want(true, false, true));
+        // sample_fast_top races a plain row itself.
+        assert_eq!(plan(&[top_k, plain]), want(true, false, false));
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //    the activation dtype);
 // 2. greedy (first argmax) or temperature → min-p → top-k → top-p → inverse-CDF draw in
 //    token-id order from a uniform the host computes per row (the seeded counter-based
-//    RNG);
+//    RNG); a plain temperature row (none of the three) takes the exponential race keyed
+//    by that uniform instead;
 // 3. raw logprobs (of the unprocessed row, vLLM's default): the log-sum-exp normaliser in
 //    f64, the sampled token's logprob and rank (how many tokens are >= it), and the top-k
 //    (k <= 20) best first, ties to the lowest id.
@@ -86,6 +87,115 @@ __device__ __forceinline__ float sanitize(float x) {
 __device__ __forceinline__ unsigned int order_key(float y) {
     const unsigned int b = __float_as_uint(y);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// ---- The exponential race (worker/src/exponential_race.rs, which says why and how) ----
+// A plain temperature row's token is the argmax over t of y_t - ln E_t, E_t ~ Exp(1) a
+// pure function of the row's uniform and t. Every f32 operation here is rounded on its
+// own (__fmul_rn / __fadd_rn: no contraction into FMAs), in the CPU's order, so both get
+// the same bits.
+#define RACE_NOISE_BOUND 5.6f        // -ln E_t of a token whose top byte is not 0
+#define RACE_TAIL_NOISE_BOUND 22.3f  // -ln E_t of any token
+
+struct RaceKey {
+    unsigned int k0, k1;
+};
+
+// lowbias32: a bijective avalanche mix.
+__device__ __forceinline__ unsigned int race_mix32(unsigned int x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+// splitmix64's finaliser (`mix64` in worker/src/sampler.rs).
+__device__ __forceinline__ unsigned long long race_mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// The key of a row from its uniform's 53 bits.
+__device__ __forceinline__ RaceKey race_key(double uniform) {
+    const unsigned long long k =
+        race_mix64((unsigned long long)(uniform * 9007199254740992.0));
+    return RaceKey{(unsigned int)k, (unsigned int)(k >> 32)};
+}
+
+// The hash word of tokens 4j..4j+4: byte t % 4 is token t's top byte.
+__device__ __forceinline__ unsigned int race_coarse_word(RaceKey k, unsigned int j) {
+    return race_mix32((j ^ k.k0) * (k.k1 | 1u));
+}
+
+__device__ __forceinline__ unsigned int race_byte_of(unsigned int word, int t) {
+    return (word >> (8 * (t & 3))) & 0xffu;
+}
+
+// ln(1 + f) + e ln 2 for f in [sqrt(1/2) - 1, sqrt(2) - 1): Cephes' logf.
+__device__ __forceinline__ float race_ln_core(float f, float e) {
+    const float z = __fmul_rn(f, f);
+    float p = 7.0376836e-2f;
+    p = __fadd_rn(__fmul_rn(p, f), -1.151461e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 1.1676999e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), -1.2420141e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 1.4249323e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), -1.6668058e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 2.0000715e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), -2.4999994e-1f);
+    p = __fadd_rn(__fmul_rn(p, f), 3.333333e-1f);
+    float y = __fmul_rn(__fmul_rn(p, f), z);
+    y = __fadd_rn(y, __fmul_rn(-2.1219444e-4f, e));
+    y = __fadd_rn(y, __fmul_rn(-0.5f, z));
+    const float r = __fadd_rn(f, y);
+    return __fadd_rn(r, __fmul_rn(0.693359375f, e));
+}
+
+// ln x of a positive, normal, finite x.
+__device__ __forceinline__ float race_ln(float x) {
+    const unsigned int bits = __float_as_uint(x);
+    int e = (int)(bits >> 23) - 127;
+    unsigned int m = (bits & 0x007fffffu) | 0x3f800000u;
+    if (m > 0x3fb504f3u) {
+        m -= 0x00800000u;
+        e += 1;
+    }
+    return race_ln_core(__fsub_rn(__uint_as_float(m), 1.f), (float)e);
+}
+
+// The hash word of token t's low bits of W_t.
+__device__ __forceinline__ unsigned int race_fine_word(RaceKey k, int t) {
+    return race_mix32(((unsigned int)t ^ k.k1) * (k.k0 | 1u));
+}
+
+// W_t of token t from its top byte and fine word: 23 bits and a half, exact in f32.
+__device__ __forceinline__ float race_w(unsigned int byte, unsigned int fine) {
+    return byte == 0
+        ? __fmul_rn(__fadd_rn((float)(fine >> 9), 0.5f), 4.656612873077393e-10f)  // 2^-31
+        : __fmul_rn(__fadd_rn((float)((byte << 15) | (fine >> 17)), 0.5f), 1.1920928955078125e-7f);
+}
+
+// ln E_t of token t with top byte `byte`: E_t = -ln(1 - W_t).
+__device__ __forceinline__ float race_ln_exponential(RaceKey k, int t, unsigned int byte) {
+    const float w = race_w(byte, race_fine_word(k, t));
+    const float ln_1m_w = w <= 0.2928932f ? race_ln_core(-w, 0.f) : race_ln(__fsub_rn(1.f, w));
+    return race_ln(-ln_1m_w);
+}
+
+// Token t's score with scaled logit y.
+__device__ __forceinline__ float race_score(RaceKey k, int t, float y, unsigned int byte) {
+    return __fsub_rn(y, race_ln_exponential(k, t, byte));
+}
+
+// The lowest y a token whose noise is at most `bound` needs to possibly beat `best`.
+__device__ __forceinline__ float race_score_floor(float best, float bound) {
+    return __fsub_rn(__fsub_rn(best, bound), __fmul_rn(fabsf(best), 1.52587890625e-5f));
+}
+
+// The y a token with top byte `byte` needs to possibly beat `best`.
+__device__ __forceinline__ float race_token_floor(float best, unsigned int byte) {
+    return race_score_floor(best, byte == 0 ? RACE_TAIL_NOISE_BOUND : RACE_NOISE_BOUND);
 }
 
 template <typename T>
@@ -363,6 +473,25 @@ __device__ void select_top_p_cut(RowView& r, double target) {
     r.cut_ties = keep_s;
 }
 
+// The exponential race over the row (some y finite): every token's score, no pruning.
+__device__ int race_token(const RowView& r, double uniform, int vocab) {
+    const RaceKey key = race_key(uniform);
+    float best = NEG_INF;
+    int best_id = vocab;
+    int e = r.e_lo;
+    for (int t = r.lo; t < r.hi; ++t) {
+        const float y = r.y(t, e);
+        if (y == NEG_INF) continue;
+        const float s = race_score(key, t, y, race_byte_of(race_coarse_word(key, t >> 2), t));
+        if (best_id == vocab || s > best) {
+            best = s;
+            best_id = t;
+        }
+    }
+    block_argmax(best, best_id, vocab);
+    return best_id;
+}
+
 // The token of one row (the same value in every thread of the block).
 __device__ int choose_token(RowView& r, const SampleRow& p, int vocab) {
     // Argmax of the processed row, ties to the lowest id: the greedy token and the
@@ -387,6 +516,7 @@ __device__ int choose_token(RowView& r, const SampleRow& p, int vocab) {
     r.max_y = r.scaled(r.logit_at(fallback));
     r.max_y_d = (double)r.max_y;
     if (r.max_y == NEG_INF) return fallback;
+    if (p.top_k <= 0 && !(p.top_p < 1.f) && !(r.min_p > 0.0)) return race_token(r, p.uniform, vocab);
 
     if (p.top_k > 0) {
         int count = 0;

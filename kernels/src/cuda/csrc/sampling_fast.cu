@@ -2,23 +2,20 @@
 // temperature (+ min-p) sampling, each row split over many blocks so that a decode batch
 // fills every SM with 16-byte loads in flight (sampling.cu's one block per row left most
 // of the memory system idle). Same semantics as `sample_tokens_ex` and the CPU sampler
-// (worker/src/sampler.rs): first argmax; weights exp((double)y - (double)max_y) of the
-// scaled logits y; min-p drops weights below min_p; inverse CDF in token-id order from the host's
-// uniform, f64 accumulation; the same fallbacks at the rounding edges.
+// (worker/src/sampler.rs): first argmax; a plain temperature row's exponential race
+// (worker/src/exponential_race.rs); for min-p, weights exp((double)y - (double)max_y) of
+// the scaled logits y, those below min_p dropped, and the inverse CDF in token-id order
+// from the host's uniform, f64 accumulation; the same fallbacks at the rounding edges.
 //
 // Each launch is over (row, chunk of FAST_CHUNK tokens; DRAW_CHUNK in `sample_fast_draw`,
 // MAX_CHUNK in `sample_fast_max`) blocks; the last block of a row to finish (an atomic
 // counter per row, reset by that block for the next launch) reduces the row's chunk
 // results, so nothing waits on another block:
 // 1. `sample_fast_max`: chunk argmax → the row's argmax (the greedy token, and the fallback
-//    and max_y of temperature rows), the chunks' maxima merged by a 64-bit atomic max
-//    and the row's last block reading the result. `sample_fast_max_draw`, the same with
-//    partials for batches with plain temperature rows (no min-p, top-k or top-p), draws
-//    those too: a chunk's mass is summed relative to the chunk's own maximum while its
-//    tokens are in registers, and the row's last block scales each by exp(m_c - max_y),
-//    finds the chunk the target u·total falls in and walks it in id order with the CPU's
-//    weights exp(y - max_y). The weights are exact differences in f64, so the factored
-//    masses are the CPU's up to f64 rounding, like any sum order.
+//    and max_y of min-p rows), the chunks' maxima merged by a 64-bit atomic max and the
+//    row's last block reading the result. `sample_fast_max_race`, the same for batches
+//    with plain temperature rows (no min-p, top-k or top-p), races those: the chunk's
+//    best score instead of its maximum logit, so the merged key is the row's token.
 // 2. `sample_fast_draw` (min-p rows, which need max_y before any weight): chunk mass of
 //    the kept tokens → the same search and walk.
 // Batches with top-k / top-p rows use `sample_fast_top` and `sample_fast_draw_top`
@@ -80,9 +77,6 @@ __device__ __forceinline__ void fill_exp_table(double* tab) {
 #define FAST_PER (FAST_CHUNK / FAST_VEC / FAST_THREADS)
 #define DRAW_PER (DRAW_CHUNK / FAST_VEC / FAST_THREADS)
 #define MAX_PER (MAX_CHUNK / FAST_VEC / FAST_THREADS)
-// Blocks an SM `sample_fast_max_draw` is compiled for: up to 64 registers, which a
-// one-pass row's eight interleaved exp chains need (ptxas's own choice, 48, spilled).
-#define FAST_MAX_BLOCKS 4
 
 // The first token of this thread's k-th 16-byte vector of a chunk starting at lo.
 __device__ __forceinline__ int vector_token(int lo, int k) {
@@ -212,12 +206,50 @@ __device__ __forceinline__ float fast_scaled(float v, float inv_t) {
     return v == 0.f ? 0.f : v;
 }
 
+// A row the merge samples: a draw with top-k or top-p on (as the kernels test them).
+__device__ __forceinline__ bool is_top_row(const SampleRow& p) {
+    return !(p.temperature < 1e-5f) && (p.top_k > 0 || p.top_p < 1.f);
+}
+
+// A row drawn by the exponential race: temperature without min-p, top-k or top-p
+// (`SampleRowEx::races` on the host).
+__device__ __forceinline__ bool race_row(const SampleRow& p) {
+    return !(p.temperature < 1e-5f) && !(p.min_p > 0.f) && !is_top_row(p);
+}
+
+// The first argmax of a row's sanitised logits, by one thread: a race row's token when
+// none of its scaled logits is finite (only logits that overflow as they are scaled leave
+// that), as the CPU's fallback; never on a hot path.
+__device__ int row_first_argmax(const scalar_t* __restrict__ x, int vocab) {
+    float best = NEG_INF;
+    int id = 0;
+    for (int t = 0; t < vocab; ++t) {
+        const float v = sanitize(to_f32(x[t]));
+        if (v > best) {
+            best = v;
+            id = t;
+        }
+    }
+    return id;
+}
+
 // A row whose argmax `id` (logit m) is known: where `write`, the greedy token, or the
 // draw's fallback and max_y (NEG_INF: the token is written, nothing left to draw).
-// Returns max_y.
+// A race row's (m, id) is its winner (score, token), whose token is written (not in a
+// batch without race rows: RACES false keeps that branch out of `sample_fast_max`'s
+// registers). Returns max_y.
+template <bool RACES = true>
 __device__ __forceinline__ float finish_row(int row, float m, int id, const SampleRow& p,
-                                            bool write, float* row_max, int* row_fallback,
+                                            bool write, const scalar_t* __restrict__ x,
+                                            int vocab, float* row_max, int* row_fallback,
                                             int* out_tokens) {
+    if (RACES && race_row(p)) {
+        if (write) {
+            out_tokens[row] = m == NEG_INF ? row_first_argmax(x, vocab) : id;
+            row_max[row] = NEG_INF;
+        }
+        return NEG_INF;
+    }
     const float max_y = p.temperature < 1e-5f ? NEG_INF : fast_scaled(m, 1.f / p.temperature);
     if (write) {
         row_fallback[row] = id;
@@ -234,8 +266,8 @@ __device__ __forceinline__ float finish_row(int row, float m, int id, const Samp
 // token, or the draw's fallback and max_y (NEG_INF: the token is written, nothing left to
 // draw). Every lane gets max_y.
 __device__ float finish_row_max(int row, int chunks, const float* part_val, const int* part_id,
-                                const SampleRow& p, float* row_max, int* row_fallback,
-                                int* out_tokens) {
+                                const SampleRow& p, const scalar_t* __restrict__ x, int vocab,
+                                float* row_max, int* row_fallback, int* out_tokens) {
     const long long base = (long long)row * chunks;
     float m = NEG_INF;
     int id = NO_TOKEN;
@@ -248,7 +280,8 @@ __device__ float finish_row_max(int row, int chunks, const float* part_val, cons
         }
     }
     warp_argmax(m, id);
-    return finish_row(row, m, id, p, threadIdx.x == 0, row_max, row_fallback, out_tokens);
+    return finish_row(row, m, id, p, threadIdx.x == 0, x, vocab, row_max, row_fallback,
+                      out_tokens);
 }
 
 // After a chunk's argmax: thread 0 records it, and in the row's last block warp 0 finishes
@@ -256,6 +289,7 @@ __device__ float finish_row_max(int row, int chunks, const float* part_val, cons
 // max_y in every thread.
 __device__ __forceinline__ bool record_chunk_max(int row, int chunk, int chunks, float best,
                                                  int best_id, const SampleRow& p,
+                                                 const scalar_t* __restrict__ x, int vocab,
                                                  float* part_val, int* part_id,
                                                  unsigned int* counters, float* row_max,
                                                  int* row_fallback, int* out_tokens,
@@ -269,7 +303,8 @@ __device__ __forceinline__ bool record_chunk_max(int row, int chunk, int chunks,
     __shared__ float max_y_s;
     if (threadIdx.x < 32) {
         const float y =
-            finish_row_max(row, chunks, part_val, part_id, p, row_max, row_fallback, out_tokens);
+            finish_row_max(row, chunks, part_val, part_id, p, x, vocab, row_max, row_fallback,
+                           out_tokens);
         if (threadIdx.x == 0) max_y_s = y;
     }
     __syncthreads();
@@ -296,17 +331,6 @@ __device__ __forceinline__ void fast_block(int& row, int& chunk, int& chunks) {
     chunks = gridDim.x;
 }
 
-// A row the merge samples: a draw with top-k or top-p on (as the kernels test them).
-__device__ __forceinline__ bool is_top_row(const SampleRow& p) {
-    return !(p.temperature < 1e-5f) && (p.top_k > 0 || p.top_p < 1.f);
-}
-
-// A row `sample_fast_max_draw` draws in its one pass: temperature without min-p, top-k or
-// top-p (`SampleRowEx::one_pass` on the host).
-__device__ __forceinline__ bool one_pass_row(const SampleRow& p) {
-    return !(p.temperature < 1e-5f) && !(p.min_p > 0.f) && !is_top_row(p);
-}
-
 // The largest `v` (>= -1) of the block (every thread gets it).
 __device__ __forceinline__ int block_max_int(int v) {
     __shared__ int m;
@@ -319,17 +343,14 @@ __device__ __forceinline__ int block_max_int(int v) {
     return r;
 }
 
-// The row's draw from its chunks' masses of kept tokens, `part_mass` (RELATIVE: each
-// relative to its chunk's own maximum, fast_scaled(part_val), so scaled by
-// exp(m_c - max_y) here): the total, the chunk holding the target u·total, and that chunk
-// walked in id order with the CPU's weights; when rounding leaves the target past every
-// weight, the last kept token, as the CPU. Writes out_tokens[row]. The whole block.
-template <bool RELATIVE>
+// The row's draw from its chunks' masses of kept tokens, `part_mass`: the total, the chunk
+// holding the target u·total, and that chunk walked in id order with the CPU's weights;
+// when rounding leaves the target past every weight, the last kept token, as the CPU.
+// Writes out_tokens[row]. The whole block.
 __device__ void draw_row(int row, int chunks, int chunk_len, int vocab,
-                         const scalar_t* __restrict__ x,
-                         const SampleRow& p, float max_y, int fallback, const float* part_val,
-                         const double* part_mass, const int* part_last, const double* tab,
-                         int* __restrict__ out_tokens) {
+                         const scalar_t* __restrict__ x, const SampleRow& p, float max_y,
+                         int fallback, const double* part_mass, const int* part_last,
+                         const double* tab, int* __restrict__ out_tokens) {
     const float inv_t = 1.f / p.temperature;
     const double min_p = p.min_p > 0.f ? (double)p.min_p : 0.0;
     const long long base = (long long)row * chunks;
@@ -340,12 +361,7 @@ __device__ void draw_row(int row, int chunks, int chunk_len, int vocab,
         // mass, start the scan of the chunks before it; the segments' ends tile exactly.
         const int lane = threadIdx.x;
         const auto mass_of = [&](int c) {
-            if (c >= chunks) return 0.0;
-            const double m = __ldcg(part_mass + base + c);
-            if (!RELATIVE || !(m > 0.0)) return m;
-            return m * exp_neg((double)fast_scaled(__ldcg(part_val + base + c), inv_t) -
-                                   (double)max_y,
-                               tab);
+            return c < chunks ? __ldcg(part_mass + base + c) : 0.0;
         };
         const auto scan = [&](double m, double running, double& start, double& end) {
             const double incl = warp_inclusive_scan(m);
@@ -433,116 +449,127 @@ __device__ void draw_row(int row, int chunks, int chunk_len, int vocab,
     __syncthreads();
 }
 
-// The chunk's mass of a plain temperature row relative to its own maximum m (the scaled
-// argmax `best`: scaling is monotonic), Σ exp(y - m) in f64, and its last kept token:
-// nothing here waits for the rest of the row. Every thread gets both.
-//
-// Where |m| < 1e6, the tokens take no branch or select, so that the compiler interleaves
-// a vector's eight exp chains and the SM's f64 pipe, not its integer one, sets the pace:
-// a NaN or -inf logit (whose y the CPU drops) and a y more than 700 under m are clamped
-// to m - 700, a weight under 1e-304 that no f64 sum of this chunk (>= 1, its maximum's)
-// can see; `last` is then the chunk's last token, which the CPU takes only when rounding
-// leaves the draw's target past every weight, and would take among the tokens it keeps.
-// Otherwise (a huge, infinite or overflowing maximum) every token as the CPU.
-__device__ __forceinline__ void chunk_relative_mass(const ChunkTokens<>& visit, const SampleRow& p,
-                                                    float best, const double* tab, double& mass,
-                                                    int& last) {
-    const float inv_t = 1.f / p.temperature;
-    const float m = fast_scaled(best, inv_t);
-    const double md = (double)m;
-    double mass0 = 0.0, mass1 = 0.0;
-    last = -1;
-    if (fabsf(m) < 1e6f) {  // an infinite or overflowing maximum is FLT_MAX or -inf here
-        // |m| < 1e6: m - 700 is within 0.07 of its exact value, so no difference falls
-        // under -708, and fmaxf passes over a NaN.
-        const float floor_y = m - 700.f;
-        visit([&](int t, float raw) {
-            const double w = exp_core((double)fmaxf(raw * inv_t, floor_y) - md, tab);
-            if (t & 1) mass1 += w;
-            else mass0 += w;
-        });
-        mass = block_total(mass0 + mass1);
-        last = visit.hi - 1;
-        return;
-    }
-    if (m != NEG_INF) {
-        visit([&](int t, float raw) {
-            double w;
-            if (!fast_weight(raw, inv_t, m, 0.0, tab, w)) return;
-            mass0 += w;
-            if (w > 0.0) last = t;
-        });
-    }
-    mass = block_total(mass0);
-    last = block_max_int(last);
+// The exact race score, out of line: few vectors need it, and inlined at each of a
+// thread's vectors it would multiply the kernel's code.
+__device__ __noinline__ float race_score_out_of_line(RaceKey key, int t, float y,
+                                                     unsigned int byte) {
+    return race_score(key, t, y, byte);
 }
 
-// The block of `sample_fast_max(_draw)` for one (row, chunk) of `visit`'s tokens.
-__device__ __forceinline__ void fast_max_block(int row, int chunk, int chunks, int vocab,
-                                               const ChunkTokens<>& visit, bool one_pass,
-                                               const SampleRow& p, float* part_val,
-                                               int* part_id, double* part_mass,
-                                               int* part_last, unsigned int* counters,
-                                               float* row_max, int* row_fallback,
-                                               const double* tab, int* __restrict__ out_tokens) {
-    float best;
-    int best_id;
-    block_chunk_argmax(visit, best, best_id);
-    if (one_pass) {
-        double mass;
-        int last;
-        chunk_relative_mass(visit, p, best, tab, mass, last);
-        if (threadIdx.x == 0) {
-            part_mass[(long long)row * chunks + chunk] = mass;
-            part_last[(long long)row * chunks + chunk] = last;
+// The race over one chunk of a plain temperature row (worker/src/exponential_race.rs): the
+// winner (score, id), ties to the lowest id, in every thread; a chunk with no finite y
+// gives its first token at -inf. Over whole 16-byte vectors, each thread first scores one
+// token (of its first vector, the one with the lowest top byte: the likeliest large
+// noise), and the block's best of those, `lim`, bounds the rest. A vector is passed over
+// when its largest y plus the noise bound of its bytes cannot reach `lim`, as nearly every
+// vector is; else its tokens that might are marked (of a tail byte, only its position: one
+// lane in 32 has one) and looked at after the loop, one a lane per round, against their own
+// bounds before any is scored (looked at where found, a lane's rare token held its whole
+// warp, and the kernel ran at half its read speed).
+template <int N>
+__device__ __forceinline__ void block_chunk_race(const ChunkTokens<N>& visit, const SampleRow& p,
+                                                 float& best, int& best_id) {
+    static_assert(N * FAST_VEC <= 64, "a thread's candidates are a 64-bit mask");
+    const RaceKey key = race_key(p.uniform);
+    const float inv_t = 1.f / p.temperature;
+    best = NEG_INF;
+    best_id = NO_TOKEN;
+    // Token t where it may beat `lim`. Its bound first: W >= its top byte B / 256 (B >= 1),
+    // or its W itself (B = 0), and E >= W, so -ln E <= -ln W (__logf's error, ~1e-6 here,
+    // is covered by 0.01). The bootstrap's token comes out of id order, hence the explicit
+    // tie to the lower id.
+    const auto consider = [&](int t, float raw, float lim) {
+        const float y = fast_scaled(sanitize(raw), inv_t);
+        const unsigned int byte = race_byte_of(race_coarse_word(key, (unsigned int)t >> 2), t);
+        if (y == NEG_INF || y < race_token_floor(lim, byte)) return;
+        const float w = byte != 0 ? __fmul_rn((float)byte, 3.90625e-3f)  // B / 256
+                                  : race_w(0, race_fine_word(key, t));
+        if (y < race_score_floor(lim, __fadd_rn(-__logf(w), 0.01f))) return;
+        const float s = race_score_out_of_line(key, t, y, byte);
+        if (best_id == NO_TOKEN || s > best || (s == best && t < best_id)) {
+            best = s;
+            best_id = t;
+        }
+    };
+    if (!visit.vec) {
+        visit([&](int t, float raw) { consider(t, raw, NEG_INF); });
+    } else {
+        const int first = vector_token(visit.lo, 0);
+        if (first < visit.hi) {
+            const unsigned int w0 = race_coarse_word(key, (unsigned int)first >> 2);
+            const unsigned int w1 =
+                FAST_VEC > 4 ? race_coarse_word(key, ((unsigned int)first >> 2) + 1) : w0;
+            const scalar_t* v = (const scalar_t*)&visit.cur[0];
+            int i = 0;
+            float raw = to_f32(v[0]);
+#pragma unroll
+            for (int j = 1; j < FAST_VEC; ++j) {
+                if (race_byte_of(j < 4 ? w0 : w1, j) < race_byte_of(i < 4 ? w0 : w1, i)) {
+                    i = j;
+                    raw = to_f32(v[j]);
+                }
+            }
+            consider(first + i, raw, NEG_INF);
+        }
+        const float lim = block_max(best);
+        const float floor_y = race_score_floor(lim, RACE_NOISE_BOUND);
+        const float floor_tail = race_score_floor(lim, RACE_TAIL_NOISE_BOUND);
+        // Bit b of a word's four tokens where its byte b may be 0 (0x80 of each such byte,
+        // gathered; a byte above a zero byte may show too, which `consider` sorts out).
+        const auto zero_bytes = [](unsigned int w) {
+            const unsigned int z = (w - 0x01010101u) & ~w & 0x80808080u;
+            return ((z >> 7) * 0x00204081u) >> 21 & 0xfu;
+        };
+        unsigned long long marked = 0;  // bit k·FAST_VEC + j: vector k's token j
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const int t0 = vector_token(visit.lo, k);
+            if (t0 >= visit.hi) break;
+            const scalar_t* v = (const scalar_t*)&visit.cur[k];
+            float raw_max = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < FAST_VEC; ++j) raw_max = fmaxf(raw_max, to_f32(v[j]));
+            const float y_max = __fmul_rn(raw_max, inv_t);  // >= every token's scaled y
+            if (y_max < floor_tail) continue;
+            const unsigned int w0 = race_coarse_word(key, (unsigned int)t0 >> 2);
+            const unsigned int w1 =
+                FAST_VEC > 4 ? race_coarse_word(key, ((unsigned int)t0 >> 2) + 1) : w0;
+            if (y_max >= floor_y) {
+                // A token of any byte may win: each one whose y reaches its bound.
+#pragma unroll
+                for (int j = 0; j < FAST_VEC; ++j) {
+                    const unsigned int byte = race_byte_of(j < 4 ? w0 : w1, j);
+                    const float y = __fmul_rn(to_f32(v[j]), inv_t);
+                    if (y >= (byte == 0 ? floor_tail : floor_y))
+                        marked |= 1ull << (k * FAST_VEC + j);
+                }
+            } else {
+                const unsigned long long tail =
+                    zero_bytes(w0) | (FAST_VEC > 4 ? zero_bytes(w1) << 4 : 0u);
+                marked |= tail << (k * FAST_VEC);
+            }
+        }
+        for (; marked != 0; marked &= marked - 1) {
+            const int e = __ffsll((long long)marked) - 1;
+            const int t = vector_token(visit.lo, e / FAST_VEC) + e % FAST_VEC;
+            consider(t, to_f32(visit.x[t]), lim);
         }
     }
-    float max_y;
-    if (!record_chunk_max(row, chunk, chunks, best, best_id, p, part_val, part_id, counters,
-                          row_max, row_fallback, out_tokens, max_y))
-        return;
-    // Not needed for max_y, but without it this kernel ran 2.6 % slower on the H100
-    // (ptxas schedules the draw's prologue differently).
-    __syncthreads();
-    if (!one_pass || max_y == NEG_INF) return;
-    draw_row<true>(row, chunks, FAST_CHUNK, vocab, visit.x, p, max_y, row_fallback[row],
-                   part_val, part_mass, part_last, tab, out_tokens);
-    if (threadIdx.x == 0) row_max[row] = NEG_INF;  // drawn: nothing for sample_fast_draw
+    if (best_id == NO_TOKEN) best_id = visit.first();
+    block_argmax(best, best_id, NO_TOKEN);
 }
 
-// Grid: (chunk, row). One-pass rows are drawn; of the others only maxima are taken.
-extern "C" __global__ void __launch_bounds__(FAST_THREADS, FAST_MAX_BLOCKS)
-    sample_fast_max_draw(const scalar_t* __restrict__ logits, int vocab,
-                         const SampleRowEx* __restrict__ params, float* part_val, int* part_id,
-                         double* part_mass, int* part_last, unsigned int* counters,
-                         float* row_max, int* row_fallback, int* __restrict__ out_tokens) {
-    pdl_enter();
-    int row, chunk, chunks;
-    fast_block(row, chunk, chunks);
-    // The chunk is loaded before the row's parameters are read (the top kernel shares these
-    // registers between its two kinds of rows); it stays in registers for both passes of
-    // a one-pass row.
-    uint4 regs[FAST_PER];
-    const ChunkTokens<> visit = chunk_tokens(logits, vocab, row, chunk, regs);
-    if (params[row].path != PATH_FAST) return;
-    const SampleRow p = params[row].base;
-    __shared__ double tab[64];
-    const bool one_pass = one_pass_row(p);
-    if (one_pass) fill_exp_table(tab);
-    fast_max_block(row, chunk, chunks, vocab, visit, one_pass, p, part_val, part_id,
-                   part_mass, part_last, counters, row_max, row_fallback, tab, out_tokens);
-}
-
-// Batches without a one-pass row (greedy, min-p): in `sample_fast_max` a block's thread 0
-// posts its chunk's argmax to the row's 64-bit key with one atomic max and counts in, while
-// the rest of the block exits; in the row's last block thread 0 reads and clears the key
-// and finishes the row. With no barrier or all-thread fence in a block's tail (a quarter of
+// Batches without top rows: in `sample_fast_max` a block's thread 0 posts its chunk's
+// argmax (a race row's winner, in `sample_fast_max_race`) to the row's 64-bit key with one
+// atomic max and counts in, while the rest of the block exits; in the row's last block
+// thread 0 reads and clears the key and finishes the row. With no barrier or all-thread fence in a block's tail (a quarter of
 // this kernel's stall samples when every block stored partials, fenced and counted in), the
 // chunk is 8,192 tokens, 8 blocks an SM.
 //
-// The key orders as the CPU's first argmax: the logit's bits mapped to an unsigned order
-// above, the id's complement below (ties to the lowest id). A chunk's maximum is never
-// NaN (block_chunk_argmax), and -0 is keyed as +0, which a float compare ties with it.
+// The key orders as the CPU's first argmax: the logit's (or score's) bits mapped to an
+// unsigned order above, the id's complement below (ties to the lowest id). A chunk's
+// maximum is never NaN (block_chunk_argmax, nor a score), and -0 is keyed as +0, which a
+// float compare ties with it.
 // 0, below every key, is the empty key a row's last block leaves for the next launch.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
     const unsigned int b = __float_as_uint(v == 0.f ? 0.f : v);
@@ -556,19 +583,16 @@ __device__ __forceinline__ void key_argmax(unsigned long long k, float& v, int& 
     id = (int)(0xffffffffu - (unsigned int)k);
 }
 
-// Grid: (chunk, row).
-extern "C" __global__ void __launch_bounds__(FAST_THREADS)
-    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
-                    const SampleRowEx* __restrict__ params, unsigned long long* row_key,
-                    unsigned int* counters, float* row_max, int* row_fallback,
-                    int* __restrict__ out_tokens) {
-    pdl_enter();
+// The block of `sample_fast_max` for one (row, chunk).
+__device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, int vocab,
+                                         const SampleRowEx* __restrict__ params,
+                                         unsigned long long* row_key, unsigned int* counters,
+                                         float* row_max, int* row_fallback,
+                                         int* __restrict__ out_tokens) {
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
     uint4 regs[MAX_PER];
-    // Past L1: 30.9 -> 30.1 µs at 256 rows on the H100. `sample_fast_max_draw` keeps plain
-    // loads: past L1 with an L2 256-byte hint it ran 88.8 -> 91.0 µs (docs/BENCHMARKS.md,
-    // 2026-11-26; past L1 alone is untried there).
+    // Past L1: 30.9 -> 30.1 µs at 256 rows on the H100.
     const ChunkTokens<MAX_PER> visit =
         chunk_tokens<MAX_PER, true>(logits, vocab, row, chunk, regs);
     if (params[row].path != PATH_FAST) return;
@@ -581,7 +605,55 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
     float m;
     int id;
     key_argmax(atomicExch(row_key + row, 0ull), m, id);
-    finish_row(row, m, id, params[row].base, true, row_max, row_fallback, out_tokens);
+    finish_row<false>(row, m, id, params[row].base, true, visit.x, vocab, row_max, row_fallback,
+                      out_tokens);
+}
+
+// The block of `sample_fast_max_race` for one (row, chunk): `fast_max` with a race row's
+// winner for its argmax, the row's parameters read together while the chunk loads.
+__device__ __forceinline__ void fast_max_race(const scalar_t* __restrict__ logits, int vocab,
+                                              const SampleRowEx* __restrict__ params,
+                                              unsigned long long* row_key,
+                                              unsigned int* counters, float* row_max,
+                                              int* row_fallback, int* __restrict__ out_tokens) {
+    int row, chunk, chunks;
+    fast_block(row, chunk, chunks);
+    uint4 regs[MAX_PER];
+    const ChunkTokens<MAX_PER> visit =
+        chunk_tokens<MAX_PER, true>(logits, vocab, row, chunk, regs);
+    const SampleRowEx pe = params[row];
+    if (pe.path != PATH_FAST) return;
+    float best;
+    int best_id;
+    if (race_row(pe.base)) block_chunk_race(visit, pe.base, best, best_id);
+    else block_chunk_argmax(visit, best, best_id);
+    if (threadIdx.x != 0) return;
+    red_max_u64(row_key + row, argmax_key(best, best_id));
+    if (!counts_in_last(counters + row, chunks)) return;
+    float m;
+    int id;
+    key_argmax(atomicExch(row_key + row, 0ull), m, id);
+    finish_row(row, m, id, pe.base, true, visit.x, vocab, row_max, row_fallback, out_tokens);
+}
+
+// Grid: (chunk, row).
+extern "C" __global__ void __launch_bounds__(FAST_THREADS)
+    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
+                    const SampleRowEx* __restrict__ params, unsigned long long* row_key,
+                    unsigned int* counters, float* row_max, int* row_fallback,
+                    int* __restrict__ out_tokens) {
+    pdl_enter();
+    fast_max(logits, vocab, params, row_key, counters, row_max, row_fallback, out_tokens);
+}
+
+// Grid: (chunk, row).
+extern "C" __global__ void __launch_bounds__(FAST_THREADS)
+    sample_fast_max_race(const scalar_t* __restrict__ logits, int vocab,
+                         const SampleRowEx* __restrict__ params, unsigned long long* row_key,
+                         unsigned int* counters, float* row_max, int* row_fallback,
+                         int* __restrict__ out_tokens) {
+    pdl_enter();
+    fast_max_race(logits, vocab, params, row_key, counters, row_max, row_fallback, out_tokens);
 }
 
 // ---- Top-k / top-p rows (`is_top_row`): candidates, then an exact merge per row. ----
@@ -593,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS)
 // "region", an upper set of the row. The row's last block sorts the region (best first,
 // ties to the lowest id: the CPU's total_cmp order) and applies min-p, top-k and top-p
 // and the draw as worker/src/sampler.rs does, its f64 sums a warp's (equal to the CPU's
-// up to f64 rounding, as the one-pass draw's). That is exact whenever the kept set lies
+// up to f64 rounding, as the min-p draw's). That is exact whenever the kept set lies
 // in the region: top-k with k <= the region's size, min-p cutting inside it, or top-p
 // reached inside it. Top-p over a min-p set that leaves the region needs the row's total
 // mass: bounds of it decide the cut when they agree (a peaked row), else
@@ -1108,12 +1180,14 @@ extern "C" __global__ void __launch_bounds__(FAST_THREADS, TOP_MIN_BLOCKS)
             ((long long)row * chunks + chunk) * FAST_WARPS + (threadIdx.x >> 5);
         warp_candidates(v, best, full, lo, visit.x, slot, cand, cand_n, cand_bound);
         block_argmax(best, best_id, NO_TOKEN);
+    } else if (race_row(p)) {
+        block_chunk_race(visit, p, best, best_id);
     } else {
         block_chunk_argmax(visit, best, best_id);
     }
     float max_y;
-    if (!record_chunk_max(row, chunk, chunks, best, best_id, p, part_val, part_id, counters,
-                          row_max, row_fallback, out_tokens, max_y))
+    if (!record_chunk_max(row, chunk, chunks, best, best_id, p, visit.x, vocab, part_val,
+                          part_id, counters, row_max, row_fallback, out_tokens, max_y))
         return;
     if (!top || max_y == NEG_INF) return;
     const int outcome = top_merge(row, chunks, vocab, p, max_y, row_fallback[row], -1.0, cand,
@@ -1180,8 +1254,8 @@ __device__ void fast_draw(const scalar_t* __restrict__ logits, int vocab, Sample
         }
     }
 
-    draw_row<false>(row, chunks, per * FAST_VEC * FAST_THREADS, vocab, x, p, max_y,
-                    row_fallback[row], nullptr, part_mass, part_last, tab, out_tokens);
+    draw_row(row, chunks, per * FAST_VEC * FAST_THREADS, vocab, x, p, max_y, row_fallback[row],
+             part_mass, part_last, tab, out_tokens);
 }
 
 extern "C" __global__ void __launch_bounds__(FAST_THREADS)

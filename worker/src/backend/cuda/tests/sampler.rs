@@ -529,7 +529,8 @@ fn gpu_sampler_step_time() {
 
 /// The fast path (rows without processors or logprobs: greedy, temperature, min-p) vs the
 /// CPU sampler, exactly: seeded draws over coarse-grid rows (ties everywhere), rows with
-/// NaN and +inf, all -inf rows, a vocabulary whose bf16 rows are not 16-byte aligned
+/// NaN and +inf, all -inf rows, a race row whose finite logits all overflow as they are
+/// scaled, a vocabulary whose bf16 rows are not 16-byte aligned
 /// (the scalar loads) and one with a short last chunk. Top-p rows sit in the same batch
 /// (over these flat rows mostly handed to the general kernel), so both kernels write rows.
 #[test]
@@ -552,13 +553,17 @@ fn gpu_fast_sampler_matches_cpu_sampler() {
             for r in [7, 12] {
                 logits[r * vocab..(r + 1) * vocab].fill(f32::NEG_INFINITY);
             }
+            // Finite logits that all overflow to -inf once scaled (row 19 races at T = 0.6):
+            // the token is the raw argmax, the CPU's fallback.
+            logits[19 * vocab..20 * vocab].fill(-3.0e38);
+            logits[19 * vocab + vocab / 3] = -2.5e38;
             let t = b.upload(&HostTensor::new(vec![n, vocab], logits)).unwrap();
             let host = b.to_host(&t).unwrap().data;
-            // With top-p rows the batch takes the top kernels (plain temperature rows drawn
-            // in their second launch); with plain temperature rows, `sample_fast_max_draw`
-            // draws those in its one pass and `sample_fast_draw` the min-p rows; with
-            // neither, `sample_fast_max` and its finish take the maxima.
-            for batch in ["top", "one-pass", "max"] {
+            // With top-p rows the batch takes the top kernels (plain temperature rows raced
+            // in the first); with plain temperature rows, `sample_fast_max_race` races
+            // those and `sample_fast_draw` draws the min-p rows; with neither,
+            // `sample_fast_max` and its finish take the maxima.
+            for batch in ["top", "race", "max"] {
                 let top_batch = batch == "top";
                 let params: Vec<SamplingParams> = (0..n)
                     .map(|r| {

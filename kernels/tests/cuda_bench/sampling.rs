@@ -59,14 +59,19 @@ pub(super) fn sampling(dev: &CudaDevice, ops: &CudaOps) {
         if !only.is_empty() && name != only {
             continue;
         }
-        let row = SampleRowEx::plain(SampleRow {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            uniform: 0.37,
-        });
-        let rows = vec![row; seqs];
+        // Each row its own uniform, as requests have: the race's pruning depends on the
+        // key, and one key for every row gave every row the same chunks' luck.
+        let rows: Vec<SampleRowEx> = (0..seqs)
+            .map(|r| {
+                SampleRowEx::plain(SampleRow {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    uniform: ((r as f64 + 0.37) * 0.618_033_988_749_895).fract(),
+                })
+            })
+            .collect();
         let batch = SamplingBatch::plain(&rows);
         // One checked call first: how many rows the fast path handed back.
         let back = ops.sample_tokens_ex(x, VOCAB, &batch, true).unwrap();

@@ -2,8 +2,8 @@
 //! token in one pass, as vLLM's sampler does (`probs / q` with q ~ Exp(1), then argmax).
 //! The token is the argmax over t of `y_t − ln E_t`, y the scaled logits and E_t an Exp(1)
 //! variate of the token: that picks t with probability softmax(y)_t (the Gumbel-max
-//! trick), with no maximum, normaliser or second pass, so the GPU draws a row at the speed
-//! of reading it (sampling.cu's `race_*`, sampling_fast.cu's `block_chunk_race`).
+//! trick), with no maximum, normaliser or second pass, so the GPU draws a row in one pass
+//! over it (sampling.cu's `race_*`, sampling_fast.cu's `block_chunk_race`).
 //!
 //! The variates are a pure function of the row's uniform (whose 53 bits key the hashes)
 //! and the token id, computed in f32 with every operation rounded on its own and a
@@ -14,8 +14,8 @@
 //! - B_t = 0 (the tail) still has W_t ≥ 2^-32, so `−ln E_t` ≤ 22.19 ([`TAIL_NOISE_BOUND`]).
 //!
 //! A token whose y plus its bound cannot reach the best score found so far is passed over
-//! without its logarithms, which is what keeps the GPU kernel at its read speed; the result
-//! is the same token (`race_unpruned` in the tests checks it).
+//! without its logarithms, which spares the GPU kernel nearly all of them; the result is
+//! the same token (`race_unpruned` in the tests checks it).
 
 /// Above `−ln E_t` of every token whose top byte is not 0, with room for rounding.
 pub const NOISE_BOUND: f32 = 5.6;

@@ -236,21 +236,25 @@ fn sample_random(row: &mut [f32], params: &SamplingParams, uniform: f64) -> u32 
         return fallback; // everything is masked: nothing better to do than vLLM's argmax
     }
     // As the kernels decide it (`race_row`): a NaN min-p or top-p is off.
-    let (min_p_on, top_p_on) = (params.min_p > 0.0, params.top_p < 1.0);
-    if !min_p_on && !top_p_on && params.top_k_enabled().is_none() {
+    let (min_p_on, top_k, top_p_on) = (
+        params.min_p > 0.0,
+        params.top_k_enabled(),
+        params.top_p < 1.0,
+    );
+    if !min_p_on && top_k.is_none() && !top_p_on {
         return race_token(row, RaceKey::of_uniform(uniform)).unwrap_or(fallback);
     }
     // Candidates: token ids with a finite logit, in id order.
     let mut cand: Vec<u32> = (0..row.len() as u32)
         .filter(|&t| row[t as usize] > f32::NEG_INFINITY)
         .collect();
-    if params.min_p > 0.0 {
+    if min_p_on {
         apply_min_p(&mut cand, row, max, params.min_p);
     }
-    if let Some(k) = params.top_k_enabled() {
+    if let Some(k) = top_k {
         apply_top_k(&mut cand, row, k);
     }
-    if params.top_p < 1.0 {
+    if top_p_on {
         apply_top_p(&mut cand, row, max, params.top_p);
     }
     draw(&cand, row, max, uniform).unwrap_or(fallback)

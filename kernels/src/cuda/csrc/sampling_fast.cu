@@ -583,6 +583,24 @@ __device__ __forceinline__ void key_argmax(unsigned long long k, float& v, int& 
     id = (int)(0xffffffffu - (unsigned int)k);
 }
 
+// After a chunk's argmax (a race row's winner): thread 0 posts it to the row's key and
+// counts in, and in the row's last block reads and clears the key and finishes the row.
+// The whole block calls it; every thread but 0 returns at once.
+template <bool RACES>
+__device__ __forceinline__ void post_chunk_max(int row, int chunks, float best, int best_id,
+                                               const SampleRow& p, const scalar_t* __restrict__ x,
+                                               int vocab, unsigned long long* row_key,
+                                               unsigned int* counters, float* row_max,
+                                               int* row_fallback, int* __restrict__ out_tokens) {
+    if (threadIdx.x != 0) return;
+    red_max_u64(row_key + row, argmax_key(best, best_id));
+    if (!counts_in_last(counters + row, chunks)) return;
+    float m;
+    int id;
+    key_argmax(atomicExch(row_key + row, 0ull), m, id);
+    finish_row<RACES>(row, m, id, p, true, x, vocab, row_max, row_fallback, out_tokens);
+}
+
 // The block of `sample_fast_max` for one (row, chunk).
 __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, int vocab,
                                          const SampleRowEx* __restrict__ params,
@@ -599,14 +617,8 @@ __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, in
     float best;
     int best_id;
     block_chunk_argmax(visit, best, best_id);
-    if (threadIdx.x != 0) return;
-    red_max_u64(row_key + row, argmax_key(best, best_id));
-    if (!counts_in_last(counters + row, chunks)) return;
-    float m;
-    int id;
-    key_argmax(atomicExch(row_key + row, 0ull), m, id);
-    finish_row<false>(row, m, id, params[row].base, true, visit.x, vocab, row_max, row_fallback,
-                      out_tokens);
+    post_chunk_max<false>(row, chunks, best, best_id, params[row].base, visit.x, vocab, row_key,
+                          counters, row_max, row_fallback, out_tokens);
 }
 
 // The block of `sample_fast_max_race` for one (row, chunk): `fast_max` with a race row's
@@ -627,13 +639,8 @@ __device__ __forceinline__ void fast_max_race(const scalar_t* __restrict__ logit
     int best_id;
     if (race_row(pe.base)) block_chunk_race(visit, pe.base, best, best_id);
     else block_chunk_argmax(visit, best, best_id);
-    if (threadIdx.x != 0) return;
-    red_max_u64(row_key + row, argmax_key(best, best_id));
-    if (!counts_in_last(counters + row, chunks)) return;
-    float m;
-    int id;
-    key_argmax(atomicExch(row_key + row, 0ull), m, id);
-    finish_row(row, m, id, pe.base, true, visit.x, vocab, row_max, row_fallback, out_tokens);
+    post_chunk_max<true>(row, chunks, best, best_id, pe.base, visit.x, vocab, row_key, counters,
+                         row_max, row_fallback, out_tokens);
 }
 
 // Grid: (chunk, row).

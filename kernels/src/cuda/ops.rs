@@ -126,6 +126,18 @@ unsafe impl ByValue for DecodeArgs {}
 /// Threads of a `qkv_prepare` block (`QKV_WARPS` warps) and the widest head it stages.
 const QKV_THREADS: u32 = 128;
 const QKV_MAX_HEAD_DIM: usize = 256;
+/// The most threads of a `qkv_prepare_wide` block (its launch bounds).
+const QKV_MAX_THREADS: usize = 1024;
+
+/// Steps whose `qkv_prepare_wide` takes all of a token's heads in one block (up to
+/// `QKV_MAX_THREADS`) rather than `QKV_THREADS` of them: where it was measured to pay. On
+/// an H100 with Qwen3-0.6B, nanovllm-256's decode steps of 65–128 sequences ran 4 %
+/// faster so (5.89 → 5.65 ms a step); there the decode attention that follows under PDL
+/// is about one wave of whole-sequence blocks (`DecodeGrid::whole_sequences`). Steps of
+/// 33–64 and 129–512 sequences did not move, of 1–32 ran about 1 % slower, and the kernel
+/// alone took 105 against 86 µs at a prefill's 8,060 tokens (docs/BENCHMARKS.md,
+/// 2026-11-27).
+const QKV_TOKEN_BLOCK_STEPS: std::ops::RangeInclusive<usize> = 65..=128;
 
 /// The lanes a head takes in `qkv_prepare_wide` (16 bytes each), where its chunks are
 /// whole: the head a power of two of them, at most a warp, and each rotary half whole
@@ -679,12 +691,27 @@ impl CudaOps {
         ];
         let lanes = qkv_wide_lanes(d, a.rotary_dim, self.dtype.size())
             .filter(|_| pointers.iter().all(|p| p % 16 == 0));
-        // A warp a head, or with 16-byte lanes 32 / `lanes` heads.
-        let heads_per_block = QKV_THREADS as usize / lanes.unwrap_or(32);
+        // A warp a head, or with 16-byte lanes 32 / `lanes` heads a warp; steps of
+        // `QKV_TOKEN_BLOCK_STEPS` tokens take a token's heads in one block.
+        let heads = hq + 2 * hkv;
+        let (threads, heads_per_block) = match lanes {
+            Some(lanes) => {
+                let per_block = if QKV_TOKEN_BLOCK_STEPS.contains(&t) {
+                    heads.min(QKV_MAX_THREADS / lanes)
+                } else {
+                    QKV_THREADS as usize / lanes
+                };
+                ((per_block * lanes).next_multiple_of(32), per_block)
+            }
+            None => (QKV_THREADS as usize, QKV_THREADS as usize / 32),
+        };
+        // The wide kernel stages its heads in dynamic shared memory, 16 bytes of elements
+        // a thread as f32.
+        let staging = threads * 16 / self.dtype.size() * std::mem::size_of::<f32>();
         let cfg = LaunchConfig {
-            grid_dim: (t as u32, (hq + 2 * hkv).div_ceil(heads_per_block) as u32, 1),
-            block_dim: (QKV_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: (t as u32, heads.div_ceil(heads_per_block) as u32, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: if lanes.is_some() { staging as u32 } else { 0 },
         };
         // SAFETY: sizes checked above; positions and slots are checked against the
         // rotary table and the cache by the caller; the wide kernel's 16-byte chunks are

@@ -259,13 +259,21 @@ fn deferred_norm_kernels_match_cpu() {
 /// and one whose lanes take one (36), partial rotary, with and without the norms, each
 /// plain, with a deferred input norm, with a bias and with both, and a
 /// padding slot whose k and v go nowhere (the caches start random, so a stray or missing
-/// write shows).
+/// write shows). Steps of 9 tokens take a few heads a block, of 70 a token's heads in
+/// one block (`QKV_TOKEN_BLOCK_STEPS`), or in two where they outnumber a block (80 heads
+/// of 128).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn qkv_prepare_matches_cpu() {
+    for (t, hq, hkv) in [(9, 4, 2), (70, 4, 2), (70, 64, 8)] {
+        qkv_prepare_step_matches_cpu(t, hq, hkv);
+    }
+}
+
+fn qkv_prepare_step_matches_cpu(t: usize, hq: usize, hkv: usize) {
     use vllm_kernels::cuda::QkvPrepare;
     let Some(g) = gpu() else { return };
-    let (t, hq, hkv, max_pos, num_slots, eps) = (9, 4, 2, 64, 24, 1e-6);
+    let (max_pos, num_slots, eps) = (64, 2 * t + 6, 1e-6);
     for dtype in DTYPES {
         let c = Ctx::new(&g, dtype);
         let mut r = Lcg(29);
@@ -348,8 +356,8 @@ fn qkv_prepare_matches_cpu() {
             c.ops.qkv_prepare(&args, &mut q_out).unwrap();
             let what = |part: &str| {
                 format!(
-                    "qkv_prepare d={d} rotary={rotary_dim} norm={norm} deferred={deferred} \
-                     biased={biased} {part}"
+                    "qkv_prepare t={t} heads={hq}+2x{hkv} d={d} rotary={rotary_dim} norm={norm} \
+                     deferred={deferred} biased={biased} {part}"
                 )
             };
             // Products rounded to the dtype before their sum (rotary.cu) against f32 sums.

@@ -179,14 +179,17 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
 // The same work with 16-byte lanes: a head's d / VEC16 lanes (a power of two, at most a
 // warp) each take VEC16 consecutive elements, so a warp prepares 32 / that heads (Qwen3's
 // and Llama's heads of 128 in bf16: 16 lanes, two heads). The host picks it where every
-// chunk is whole and aligned. The products and roundings are qkv_prepare's; only the
-// norm's sum of squares adds in another order.
-extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(QkvArgs a) {
-    __shared__ float staged[QKV_WARPS * 32 * VEC16];
+// chunk is whole and aligned, and sizes the block: a few heads, or at decode batches
+// where it pays a token's heads (ops.rs, `QKV_TOKEN_BLOCK_STEPS`); a multiple of 32
+// threads, at most 1,024 (`QKV_MAX_THREADS`), staging in dynamic shared memory VEC16
+// floats a thread. The products and roundings are qkv_prepare's; only the norm's sum of
+// squares adds in another order.
+extern "C" __global__ void __launch_bounds__(1024) qkv_prepare_wide(QkvArgs a) {
+    extern __shared__ float qkv_staged[];
     const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
     const int lanes = d / VEC16;
     const int local = threadIdx.x / lanes, hl = threadIdx.x % lanes;
-    const int head = blockIdx.y * (QKV_WARPS * 32 / lanes) + local;
+    const int head = blockIdx.y * (blockDim.x / lanes) + local;
     const int lane = threadIdx.x & 31;
     const unsigned int mask =
         lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << (lane & ~(lanes - 1));
@@ -245,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(Qk
         for (int e = 0; e < VEC16; e++) x[e] = round_t(round_t(x[e] * inv) * wv[e]);
     }
     // The head staged so that a lane can read the other half of its rotary pairs.
-    float* h = staged + local * d;
+    float* h = qkv_staged + local * d;
 #pragma unroll
     for (int e = 0; e < VEC16; e++) h[i + e] = x[e];
     __syncwarp(mask);

@@ -126,16 +126,17 @@ unsafe impl ByValue for DecodeArgs {}
 /// Threads of a `qkv_prepare` block (`QKV_WARPS` warps) and the widest head it stages.
 const QKV_THREADS: u32 = 128;
 const QKV_MAX_HEAD_DIM: usize = 256;
-/// The most threads of a `qkv_prepare_wide` block (its launch bounds).
+/// The most threads of a `qkv_prepare_wide_token` block (its launch bounds).
 const QKV_MAX_THREADS: usize = 1024;
 
-/// Steps whose `qkv_prepare_wide` takes all of a token's heads in one block (up to
-/// `QKV_MAX_THREADS`) rather than `QKV_THREADS` of them: where it was measured to pay. On
-/// an H100 with Qwen3-0.6B, nanovllm-256's decode steps of 65–128 sequences ran 4 %
-/// faster so (5.89 → 5.65 ms a step); there the decode attention that follows under PDL
-/// is about one wave of whole-sequence blocks (`DecodeGrid::whole_sequences`). Steps of
-/// 33–64 and 129–512 sequences did not move, of 1–32 ran about 1 % slower, and the kernel
-/// alone took 105 against 86 µs at a prefill's 8,060 tokens (docs/BENCHMARKS.md,
+/// Steps whose 16-byte lanes take all of a token's heads in one block
+/// (`qkv_prepare_wide_token`, up to `QKV_MAX_THREADS`) rather than `QKV_THREADS` of them:
+/// where it was measured to pay. On an H100 with Qwen3-0.6B, nanovllm-256's decode steps
+/// of 65–128 sequences ran 4 % faster so (5.89 → 5.66 ms a step); there the decode
+/// attention that follows under PDL is about one wave of whole-sequence blocks
+/// (`DecodeGrid::whole_sequences`). Steps of 33–64 and 129–512 sequences did not move
+/// (two tokens a block at 133–256 lost 0.3 %), of 1–32 ran about 1 % slower, and the
+/// kernel alone took 105 against 86 µs at a prefill's 8,060 tokens (docs/BENCHMARKS.md,
 /// 2026-11-27).
 const QKV_TOKEN_BLOCK_STEPS: std::ops::RangeInclusive<usize> = 65..=128;
 
@@ -694,15 +695,13 @@ impl CudaOps {
         // A warp a head, or with 16-byte lanes 32 / `lanes` heads a warp; steps of
         // `QKV_TOKEN_BLOCK_STEPS` tokens take a token's heads in one block.
         let heads = hq + 2 * hkv;
+        let token_blocks = lanes.is_some() && QKV_TOKEN_BLOCK_STEPS.contains(&t);
         let (threads, heads_per_block) = match lanes {
-            Some(lanes) => {
-                let per_block = if QKV_TOKEN_BLOCK_STEPS.contains(&t) {
-                    heads.min(QKV_MAX_THREADS / lanes)
-                } else {
-                    QKV_THREADS as usize / lanes
-                };
+            Some(lanes) if token_blocks => {
+                let per_block = heads.min(QKV_MAX_THREADS / lanes);
                 ((per_block * lanes).next_multiple_of(32), per_block)
             }
+            Some(lanes) => (QKV_THREADS as usize, QKV_THREADS as usize / lanes),
             None => (QKV_THREADS as usize, QKV_THREADS as usize / 32),
         };
         // The wide kernel stages its heads in dynamic shared memory, 16 bytes of elements
@@ -716,7 +715,9 @@ impl CudaOps {
         // SAFETY: sizes checked above; positions and slots are checked against the
         // rotary table and the cache by the caller; the wide kernel's 16-byte chunks are
         // whole and aligned (`qkv_wide_lanes`, the pointers).
-        if lanes.is_some() {
+        if token_blocks {
+            launch!(unsafe self, qkv_prepare_wide_token, cfg; &args)
+        } else if lanes.is_some() {
             launch!(unsafe self, qkv_prepare_wide, cfg; &args)
         } else {
             launch!(unsafe self, qkv_prepare, cfg; &args)

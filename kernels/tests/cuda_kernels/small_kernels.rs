@@ -259,13 +259,13 @@ fn deferred_norm_kernels_match_cpu() {
 /// and one whose lanes take one (36), partial rotary, with and without the norms, each
 /// plain, with a deferred input norm, with a bias and with both, and a
 /// padding slot whose k and v go nowhere (the caches start random, so a stray or missing
-/// write shows). Steps of 9 tokens take a few heads a block, of 70 a token's heads in
-/// one block (`QKV_TOKEN_BLOCK_STEPS`), or in two where they outnumber a block (80 heads
-/// of 128).
+/// write shows). Steps of 9 and of 200 tokens take a few heads a block, of 70 a token's
+/// heads in one block (`QKV_TOKEN_BLOCK_STEPS`), or in two where they outnumber a block
+/// (80 heads of 128).
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn qkv_prepare_matches_cpu() {
-    for (t, hq, hkv) in [(9, 4, 2), (70, 4, 2), (70, 64, 8)] {
+    for (t, hq, hkv) in [(9, 4, 2), (70, 4, 2), (70, 64, 8), (200, 4, 2)] {
         qkv_prepare_step_matches_cpu(t, hq, hkv);
     }
 }

@@ -183,8 +183,9 @@ extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare(QkvArgs
 // where it pays a token's heads (ops.rs, `QKV_TOKEN_BLOCK_STEPS`); a multiple of 32
 // threads, at most 1,024 (`QKV_MAX_THREADS`), staging in dynamic shared memory VEC16
 // floats a thread. The products and roundings are qkv_prepare's; only the norm's sum of
-// squares adds in another order.
-extern "C" __global__ void __launch_bounds__(1024) qkv_prepare_wide(QkvArgs a) {
+// squares adds in another order. Two entry points: bounded at 1,024 threads, ptxas gives
+// the kernel 46 registers where 128 threads leave it 40 (12 blocks an SM, not 10).
+__device__ __forceinline__ void qkv_prepare_wide_impl(const QkvArgs& a) {
     extern __shared__ float qkv_staged[];
     const int hq = a.num_q_heads, hkv = a.num_kv_heads, d = a.head_dim;
     const int lanes = d / VEC16;
@@ -268,4 +269,12 @@ extern "C" __global__ void __launch_bounds__(1024) qkv_prepare_wide(QkvArgs a) {
     scalar_t* dst = is_q ? a.q_out + (t * hq + head) * d
                          : a.key_cache + slot * kv_row + (long long)(head - hq) * d;
     *reinterpret_cast<uint4*>(dst + i) = pack16(x);
+}
+
+// A few heads a block (`QKV_THREADS`), and a token's heads a block (`QKV_TOKEN_BLOCK_STEPS`).
+extern "C" __global__ void __launch_bounds__(QKV_WARPS * 32) qkv_prepare_wide(QkvArgs a) {
+    qkv_prepare_wide_impl(a);
+}
+extern "C" __global__ void __launch_bounds__(1024) qkv_prepare_wide_token(QkvArgs a) {
+    qkv_prepare_wide_impl(a);
 }

@@ -136,8 +136,8 @@ const QKV_MAX_THREADS: usize = 1024;
 /// attention that follows under PDL is about one wave of whole-sequence blocks
 /// (`DecodeGrid::whole_sequences`). Steps of 33–64 and 129–512 sequences did not move
 /// (two tokens a block at 133–256 lost 0.3 %), of 1–32 ran about 1 % slower, and the
-/// kernel alone took 105 against 86 µs at a prefill's 8,060 tokens (docs/BENCHMARKS.md,
-/// 2026-11-27).
+/// kernel alone took 105 against 86 µs at a prefill's 8,060 tokens (ncu, the fastest of
+/// 242 launches; docs/BENCHMARKS.md, 2026-11-27).
 const QKV_TOKEN_BLOCK_STEPS: std::ops::RangeInclusive<usize> = 65..=128;
 
 /// The lanes a head takes in `qkv_prepare_wide` (16 bytes each), where its chunks are

@@ -134,7 +134,7 @@ const QKV_MAX_THREADS: usize = 1024;
 /// where it was measured to pay. On an H100 with Qwen3-0.6B, nanovllm-256's decode steps
 /// of 65–128 sequences ran 4 % faster so (5.89 → 5.66 ms a step); there the decode
 /// attention that follows under PDL is about one wave of whole-sequence blocks
-/// (`DecodeGrid::whole_sequences`). Steps of 33–64 and 129–512 sequences did not move
+/// (`DecodeGrid::whole_sequences`). Steps of 33–64 and 129–256 sequences did not move
 /// (two tokens a block at 133–256 lost 0.3 %), of 1–32 ran about 1 % slower, and the
 /// kernel alone took 105 against 86 µs at a prefill's 8,060 tokens (ncu, the fastest of
 /// 242 launches; docs/BENCHMARKS.md, 2026-11-27).

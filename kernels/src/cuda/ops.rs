@@ -155,6 +155,41 @@ fn qkv_wide_lanes(head_dim: usize, rotary_dim: usize, dtype_size: usize) -> Opti
     .then_some(lanes)
 }
 
+/// The blocks of a `qkv_prepare` launch over one token's heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct QkvBlocks {
+    threads: usize,
+    /// Heads a block; a token takes `heads.div_ceil(this)` blocks (the grid's y).
+    heads: usize,
+    /// Whether a block takes its token's heads whole (`qkv_prepare_wide_token`).
+    whole_token: bool,
+}
+
+impl QkvBlocks {
+    /// A warp a head (`lanes` None), or 32 / `lanes` heads a warp in blocks of
+    /// `QKV_THREADS`; at steps of `QKV_TOKEN_BLOCK_STEPS` tokens, a token's `heads` in one
+    /// block of whole warps (two or more where they need more than `QKV_MAX_THREADS`).
+    fn for_step(tokens: usize, heads: usize, lanes: Option<usize>) -> Self {
+        let few = |per_block| Self {
+            threads: QKV_THREADS as usize,
+            heads: per_block,
+            whole_token: false,
+        };
+        match lanes {
+            None => few(QKV_THREADS as usize / 32),
+            Some(lanes) if QKV_TOKEN_BLOCK_STEPS.contains(&tokens) => {
+                let per_block = heads.min(QKV_MAX_THREADS / lanes);
+                Self {
+                    threads: (per_block * lanes).next_multiple_of(32),
+                    heads: per_block,
+                    whole_token: true,
+                }
+            }
+            Some(lanes) => few(QKV_THREADS as usize / lanes),
+        }
+    }
+}
+
 /// The inputs of `CudaOps::qkv_prepare`.
 pub struct QkvPrepare<'a> {
     pub qkv: &'a CudaSlice<u8>,
@@ -692,30 +727,20 @@ impl CudaOps {
         ];
         let lanes = qkv_wide_lanes(d, a.rotary_dim, self.dtype.size())
             .filter(|_| pointers.iter().all(|p| p % 16 == 0));
-        // A warp a head, or with 16-byte lanes 32 / `lanes` heads a warp; steps of
-        // `QKV_TOKEN_BLOCK_STEPS` tokens take a token's heads in one block.
         let heads = hq + 2 * hkv;
-        let token_blocks = lanes.is_some() && QKV_TOKEN_BLOCK_STEPS.contains(&t);
-        let (threads, heads_per_block) = match lanes {
-            Some(lanes) if token_blocks => {
-                let per_block = heads.min(QKV_MAX_THREADS / lanes);
-                ((per_block * lanes).next_multiple_of(32), per_block)
-            }
-            Some(lanes) => (QKV_THREADS as usize, QKV_THREADS as usize / lanes),
-            None => (QKV_THREADS as usize, QKV_THREADS as usize / 32),
-        };
+        let blocks = QkvBlocks::for_step(t, heads, lanes);
         // The wide kernel stages its heads in dynamic shared memory, 16 bytes of elements
         // a thread as f32.
-        let staging = threads * 16 / self.dtype.size() * std::mem::size_of::<f32>();
+        let staging = blocks.threads * 16 / self.dtype.size() * std::mem::size_of::<f32>();
         let cfg = LaunchConfig {
-            grid_dim: (t as u32, heads.div_ceil(heads_per_block) as u32, 1),
-            block_dim: (threads as u32, 1, 1),
+            grid_dim: (t as u32, heads.div_ceil(blocks.heads) as u32, 1),
+            block_dim: (blocks.threads as u32, 1, 1),
             shared_mem_bytes: if lanes.is_some() { staging as u32 } else { 0 },
         };
         // SAFETY: sizes checked above; positions and slots are checked against the
         // rotary table and the cache by the caller; the wide kernel's 16-byte chunks are
         // whole and aligned (`qkv_wide_lanes`, the pointers).
-        if token_blocks {
+        if blocks.whole_token {
             launch!(unsafe self, qkv_prepare_wide_token, cfg; &args)
         } else if lanes.is_some() {
             launch!(unsafe self, qkv_prepare_wide, cfg; &args)
@@ -1175,7 +1200,37 @@ impl CudaOps {
 
 #[cfg(test)]
 mod tests {
-    use super::qkv_wide_lanes;
+    use super::{qkv_wide_lanes, QkvBlocks};
+
+    #[test]
+    fn qkv_prepare_takes_a_tokens_heads_in_one_block_at_65_to_128_tokens() {
+        let blocks = |threads, heads, whole_token| QkvBlocks {
+            threads,
+            heads,
+            whole_token,
+        };
+        // Qwen3-0.6B in bf16: 32 heads of 16 lanes, 8 a block, or a token's 32 in 512 threads.
+        assert_eq!(QkvBlocks::for_step(64, 32, Some(16)), blocks(128, 8, false));
+        assert_eq!(QkvBlocks::for_step(65, 32, Some(16)), blocks(512, 32, true));
+        assert_eq!(
+            QkvBlocks::for_step(128, 32, Some(16)),
+            blocks(512, 32, true)
+        );
+        assert_eq!(
+            QkvBlocks::for_step(129, 32, Some(16)),
+            blocks(128, 8, false)
+        );
+        // Heads that fill no whole warp are rounded up to one; more than 1,024 threads of
+        // them split over blocks (80 heads: 64 and 16).
+        assert_eq!(QkvBlocks::for_step(70, 35, Some(16)), blocks(576, 35, true));
+        assert_eq!(
+            QkvBlocks::for_step(70, 80, Some(16)),
+            blocks(1024, 64, true)
+        );
+        // f32's 32 lanes a head; a warp a head where the lanes are not 16-byte chunks.
+        assert_eq!(QkvBlocks::for_step(70, 12, Some(32)), blocks(384, 12, true));
+        assert_eq!(QkvBlocks::for_step(70, 32, None), blocks(128, 4, false));
+    }
 
     #[test]
     fn wide_qkv_prepare_takes_heads_of_whole_aligned_chunks() {

@@ -16,6 +16,8 @@
 #                                     64-128: the plan against fixed partitions)
 #                                     decode-q-split (decode attention with each kv head's q heads
 #                                     split over 1-8 blocks, the TP ranks' heads too)
+#                                     kv-read-probe (decode attention's reads with no math, through
+#                                     bulk copies, and contiguously: scripts/kv_read_probe.cu, nvcc)
 #                                     long-context (TPOT at those batches; BASE_BIN alternates)
 #                                     serve-bench (bench serve, 1000 x 512/128, rate inf and 16)
 #                                     llama-8b (the Llama-3.1-8B shape at saturation)
@@ -524,6 +526,9 @@ for s in $STAGES; do
     decode-late) stage decode-late "$G/cuda_bench" decode_attention_late --ignored --nocapture ;;
     decode-mid) stage decode-mid "$G/cuda_bench" decode_attention_mid --ignored --nocapture ;;
     decode-q-split) stage decode-q-split "$G/cuda_bench" decode_attention_q_split --ignored --nocapture ;;
+    kv-read-probe) stage kv-read-probe bash -c "$CUDA_HOME/bin/nvcc -O3 -std=c++20 \
+        -gencode=arch=compute_90a,code=sm_90a -o /tmp/kv_read_probe scripts/kv_read_probe.cu \
+        && /tmp/kv_read_probe" ;;
     long-context) stage long-context long_context ;;
     gemv) stage gemv bash -c "$G/cuda_kernels --ignored --test-threads=1 gemv linear && $G/cuda_bench thin_gemms --ignored --nocapture" ;;
     graphs) stage graphs "$G/worker_tests" backend::cuda::tests::graphs::decode_latency_bench --ignored --nocapture ;;

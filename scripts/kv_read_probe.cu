@@ -7,10 +7,8 @@
 //         stage) into a ring of R stages on mbarriers; four consumer warps read each
 //         stage from shared memory and release it;
 //  contig: a grid-stride read of the same bytes, contiguous.
-// On the GPU machine (docs/BENCHMARKS.md, 2026-11-27, "Decode attention at its gather's
-// ceiling"):
-//   nvcc -O3 -std=c++20 -gencode=arch=compute_90a,code=sm_90a -o /tmp/kv_read_probe \
-//     scripts/kv_read_probe.cu && /tmp/kv_read_probe
+// On the GPU machine, `scripts/gpu_round.sh kv-read-probe` builds it with nvcc and runs it
+// (docs/BENCHMARKS.md, 2026-11-27, "Decode attention at its gather's ceiling").
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -177,7 +175,7 @@ int main() {
         CK(cudaMemcpy(dord, order.data(), seqs * 4, cudaMemcpyHostToDevice));
         double bytes = 0; for (int n : lens) bytes += (double)n * ROW * HKV * 2;
         dim3 grid(HKV, 1, seqs);
-        auto rep = [&](const char* what, float ms) { printf("PROBE %-22s %-12s %8.1f us %6.3f TB/s\n", name, what, ms * 1e3, bytes / (ms * 1e-3) / 1e12); };
+        auto rep = [&](const char* what, float ms) { printf("BENCH kv_read_probe %-22s %-12s %8.1f us %6.3f TB/s\n", name, what, ms * 1e3, bytes / (ms * 1e-3) / 1e12); };
         rep("plain", time_ms([&] { plain<<<grid, 128>>>(K, V, dbt, btw, dl, dord, out); }));
         auto run_bulk = [&](auto kern, int R, const char* what) {
             const int sm = R * 32 * ROW + 2 * R * 8 + MAXK * 4;
@@ -197,6 +195,6 @@ int main() {
         }
         CK(cudaFree(K)); CK(cudaFree(V)); CK(cudaFree(dbt)); CK(cudaFree(dl)); CK(cudaFree(dord));
     }
-    printf("PROBE done\n");
+    printf("BENCH kv_read_probe done\n");
     return 0;
 }

@@ -1220,8 +1220,8 @@ mod tests {
             QkvBlocks::for_step(129, 32, Some(16)),
             blocks(128, 8, false)
         );
-        // Heads that fill no whole warp are rounded up to one; more than 1,024 threads of
-        // them split over blocks (80 heads: 64 and 16).
+        // A token's threads are rounded up to whole warps; more than 1,024 of them split
+        // over blocks (80 heads: 64 and 16).
         assert_eq!(QkvBlocks::for_step(70, 35, Some(16)), blocks(576, 35, true));
         assert_eq!(
             QkvBlocks::for_step(70, 80, Some(16)),

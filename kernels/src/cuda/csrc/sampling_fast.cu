@@ -601,12 +601,13 @@ __device__ __forceinline__ void post_chunk_max(int row, int chunks, float best, 
     finish_row<RACES>(row, m, id, p, true, x, vocab, row_max, row_fallback, out_tokens);
 }
 
-// The block of `sample_fast_max` for one (row, chunk).
-__device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, int vocab,
-                                         const SampleRowEx* __restrict__ params,
-                                         unsigned long long* row_key, unsigned int* counters,
-                                         float* row_max, int* row_fallback,
-                                         int* __restrict__ out_tokens) {
+// A block of `sample_fast_max` takes one (row, chunk). Grid: (chunk, row).
+extern "C" __global__ void __launch_bounds__(FAST_THREADS)
+    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
+                    const SampleRowEx* __restrict__ params, unsigned long long* row_key,
+                    unsigned int* counters, float* row_max, int* row_fallback,
+                    int* __restrict__ out_tokens) {
+    pdl_enter();
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
     uint4 regs[MAX_PER];
@@ -621,13 +622,14 @@ __device__ __forceinline__ void fast_max(const scalar_t* __restrict__ logits, in
                           counters, row_max, row_fallback, out_tokens);
 }
 
-// The block of `sample_fast_max_race` for one (row, chunk): `fast_max` with a race row's
-// winner for its argmax, the row's parameters read together while the chunk loads.
-__device__ __forceinline__ void fast_max_race(const scalar_t* __restrict__ logits, int vocab,
-                                              const SampleRowEx* __restrict__ params,
-                                              unsigned long long* row_key,
-                                              unsigned int* counters, float* row_max,
-                                              int* row_fallback, int* __restrict__ out_tokens) {
+// `sample_fast_max` with a race row's winner for its argmax, the row's parameters read
+// together while the chunk loads. Grid: (chunk, row).
+extern "C" __global__ void __launch_bounds__(FAST_THREADS)
+    sample_fast_max_race(const scalar_t* __restrict__ logits, int vocab,
+                         const SampleRowEx* __restrict__ params, unsigned long long* row_key,
+                         unsigned int* counters, float* row_max, int* row_fallback,
+                         int* __restrict__ out_tokens) {
+    pdl_enter();
     int row, chunk, chunks;
     fast_block(row, chunk, chunks);
     uint4 regs[MAX_PER];
@@ -641,26 +643,6 @@ __device__ __forceinline__ void fast_max_race(const scalar_t* __restrict__ logit
     else block_chunk_argmax(visit, best, best_id);
     post_chunk_max<true>(row, chunks, best, best_id, pe.base, visit.x, vocab, row_key, counters,
                          row_max, row_fallback, out_tokens);
-}
-
-// Grid: (chunk, row).
-extern "C" __global__ void __launch_bounds__(FAST_THREADS)
-    sample_fast_max(const scalar_t* __restrict__ logits, int vocab,
-                    const SampleRowEx* __restrict__ params, unsigned long long* row_key,
-                    unsigned int* counters, float* row_max, int* row_fallback,
-                    int* __restrict__ out_tokens) {
-    pdl_enter();
-    fast_max(logits, vocab, params, row_key, counters, row_max, row_fallback, out_tokens);
-}
-
-// Grid: (chunk, row).
-extern "C" __global__ void __launch_bounds__(FAST_THREADS)
-    sample_fast_max_race(const scalar_t* __restrict__ logits, int vocab,
-                         const SampleRowEx* __restrict__ params, unsigned long long* row_key,
-                         unsigned int* counters, float* row_max, int* row_fallback,
-                         int* __restrict__ out_tokens) {
-    pdl_enter();
-    fast_max_race(logits, vocab, params, row_key, counters, row_max, row_fallback, out_tokens);
 }
 
 // ---- Top-k / top-p rows (`is_top_row`): candidates, then an exact merge per row. ----

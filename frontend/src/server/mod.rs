@@ -13,6 +13,7 @@ mod error;
 mod fields;
 mod health;
 mod info;
+mod listener;
 mod request_fields;
 #[cfg(test)]
 mod request_fuzz;
@@ -144,7 +145,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<i32> {
         model_path: args.engine.model_name(),
     });
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = match tokio::net::TcpListener::bind(&addr).await {
+    let listener = match listener::bind(&addr).await {
         Ok(listener) => listener,
         Err(e) => {
             state.llm.shutdown().await;

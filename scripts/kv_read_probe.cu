@@ -2,7 +2,8 @@
 // reads Qwen3-0.6B's layout ([blocks, 16, 8 kv heads, 128] bf16) with a block per (kv
 // head, sequence), longest sequence first, as the decode kernel's plan does, three ways:
 //  plain: the decode kernel's loads (16 lanes a key, 16 bytes a lane, 4 keys a lane a
-//         step, loaded a step ahead), K then V, the rows xor-summed (no math);
+//         step, loaded a step ahead), K then V, the rows xor-summed (no math); also over
+//         head-major blocks ([blocks, 8, 16, 128]), a layout the engine does not use;
 //  bulk<R>: a producer warp issues one cp.async.bulk of 256 bytes a key (32 keys a
 //         stage) into a ring of R stages on mbarriers; four consumer warps read each
 //         stage from shared memory and release it;
@@ -24,6 +25,7 @@ constexpr int MAXK = 2048;
 
 __device__ __forceinline__ unsigned fold(uint4 r) { return r.x ^ r.y ^ r.z ^ r.w; }
 
+template <bool HEAD_MAJOR>
 __global__ void __launch_bounds__(128) plain(const char* __restrict__ K, const char* __restrict__ V,
                                              const int* bt, int btw, const int* lens, const int* order,
                                              unsigned* out) {
@@ -34,13 +36,20 @@ __global__ void __launch_bounds__(128) plain(const char* __restrict__ K, const c
     const int grp = tid / 16, sub = tid % 16;
     unsigned x = 0;
     for (int pass = 0; pass < 2; ++pass) {
-        const char* C = (pass ? V : K) + (size_t)h * ROW + sub * 16;
+        // Token-major blocks ([blocks, 16, heads, D], the engine's) put a key's row of this
+        // head every HKV rows; head-major ones ([blocks, heads, 16, D]) put a block's 16
+        // rows of one head together (4 KB).
+        const char* C = (pass ? V : K) + (HEAD_MAJOR ? (size_t)h * BS * ROW : (size_t)h * ROW) + sub * 16;
+        auto at = [&](int slot) {
+            return HEAD_MAJOR ? (size_t)(slot / BS) * (HKV * BS * ROW) + (size_t)(slot % BS) * ROW
+                              : (size_t)slot * (HKV * ROW);
+        };
         uint4 rows[4];
         auto load = [&](uint4* r, int base) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int k = base + grp + 8 * u;
-                r[u] = k < n ? *reinterpret_cast<const uint4*>(C + (size_t)slots[k] * (HKV * ROW))
+                r[u] = k < n ? *reinterpret_cast<const uint4*>(C + at(slots[k]))
                              : make_uint4(0, 0, 0, 0);
             }
         };
@@ -176,7 +185,8 @@ int main() {
         double bytes = 0; for (int n : lens) bytes += (double)n * ROW * HKV * 2;
         dim3 grid(HKV, 1, seqs);
         auto rep = [&](const char* what, float ms) { printf("BENCH kv_read_probe %-22s %-12s %8.1f us %6.3f TB/s\n", name, what, ms * 1e3, bytes / (ms * 1e-3) / 1e12); };
-        rep("plain", time_ms([&] { plain<<<grid, 128>>>(K, V, dbt, btw, dl, dord, out); }));
+        rep("plain", time_ms([&] { plain<false><<<grid, 128>>>(K, V, dbt, btw, dl, dord, out); }));
+        rep("plain head-major", time_ms([&] { plain<true><<<grid, 128>>>(K, V, dbt, btw, dl, dord, out); }));
         auto run_bulk = [&](auto kern, int R, const char* what) {
             const int sm = R * 32 * ROW + 2 * R * 8 + MAXK * 4;
             CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
@@ -186,7 +196,8 @@ int main() {
         run_bulk(bulkk<3>, 3, "bulk R=3");
         run_bulk(bulkk<4>, 4, "bulk R=4");
         run_bulk(bulkk<6>, 6, "bulk R=6");
-        rep("plain", time_ms([&] { plain<<<grid, 128>>>(K, V, dbt, btw, dl, dord, out); }));
+        rep("plain", time_ms([&] { plain<false><<<grid, 128>>>(K, V, dbt, btw, dl, dord, out); }));
+        rep("plain head-major", time_ms([&] { plain<true><<<grid, 128>>>(K, V, dbt, btw, dl, dord, out); }));
         // The same bytes read contiguously (the K cache, then V, as one span each).
         const size_t n16 = (size_t)(bytes / 2) / 16;
         for (int bps : {4, 8, 16}) {

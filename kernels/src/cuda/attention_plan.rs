@@ -93,7 +93,8 @@ impl AttentionKernels {
 /// Which kernel runs the tiles (the query tokens not handled by the decode kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TileKernel {
-    /// `paged_attention_prefill_d*`: mma.m16n8k16, bf16/fp16 only, never split.
+    /// `paged_attention_prefill_d*`: bf16/fp16 only, never split; warpgroup MMAs (`wgmma`)
+    /// on sm_90a at head sizes 64 and 128, mma.m16n8k16 elsewhere.
     TensorCore,
     /// `paged_attention_d*`: f32 math on CUDA cores, split over keys when needed.
     CudaCore,

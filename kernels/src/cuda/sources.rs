@@ -14,6 +14,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("copy.cu", include_str!("csrc/copy.cu")),
     ("gemv.cu", include_str!("csrc/gemv.cu")),
     ("attention.cu", include_str!("csrc/attention.cu")),
+    ("wgmma.cuh", include_str!("csrc/wgmma.cuh")),
     (
         "attention_decode.cu",
         include_str!("csrc/attention_decode.cu"),
@@ -22,7 +23,6 @@ pub const SOURCES: &[(&str, &str)] = &[
         "attention_prefill.cu",
         include_str!("csrc/attention_prefill.cu"),
     ),
-    ("wgmma.cuh", include_str!("csrc/wgmma.cuh")),
     ("thin_gemm.cu", include_str!("csrc/thin_gemm.cu")),
     ("sampling.cu", include_str!("csrc/sampling.cu")),
     ("sampling_fast.cu", include_str!("csrc/sampling_fast.cu")),
@@ -53,6 +53,6 @@ mod tests {
         }
         assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention,"));
         assert!(tu.contains("DECODE_KERNELS(128)"));
-        assert!(tu.contains("HEAD_DIM_KERNELS(paged_attention_prefill,"));
+        assert!(tu.contains("HEAD_DIM_KERNEL(paged_attention_prefill,"));
     }
 }

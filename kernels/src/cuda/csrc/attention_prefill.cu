@@ -11,6 +11,13 @@
 // flash-attention does). The softmax runs in base 2 with the scale folded in (p =
 // 2^(s·scale·log2 e − m), one FFMA and one MUFU a score), and masks only the tiles that
 // reach past a row's last visible key.
+//
+// On Hopper (sm_90a) the head sizes 64 and 128 run both products as warpgroup MMAs
+// (`wgmma`, the block's four warps one warpgroup over its 64 rows): S with Q's fragments
+// from registers and K from shared memory, O with P from registers and V from shared
+// memory (N-major). K and V tiles then lie in wgmma's 128-byte swizzle (`wg_tile_offset`)
+// instead of padded rows, and the block takes every tile (a warp-uniform skip cannot
+// stop a warpgroup's MMA; a warp whose rows see none of a tile's keys masks it whole).
 
 #if !defined(VLLM_DTYPE_F32)
 
@@ -145,8 +152,28 @@ __device__ __forceinline__ void online_softmax(float (&s)[PF_KEYS / 8][4], int k
     }
 }
 
-// O += P·V for the tile in `sv`, P = 2^(S·scale_log2 - m_use) rounded to 16 bits; the row
-// sums `l` rescaled by `alpha` and summed.
+// P = 2^(S·scale_log2 - m_use) of key step `kk` (16 keys), rounded to 16 bits as the A
+// fragment of P·V: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
+// The row sums `l` gain the unrounded values.
+__device__ __forceinline__ void p_fragment(const float (&s)[PF_KEYS / 8][4], int kk,
+                                           float scale_log2, const float (&m_use)[2],
+                                           float (&l)[2], unsigned int (&pa)[4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float* sn = s[2 * kk + half];
+        const float p0 = exp2_ftz(fmaf(sn[0], scale_log2, -m_use[0]));
+        const float p1 = exp2_ftz(fmaf(sn[1], scale_log2, -m_use[0]));
+        const float p2 = exp2_ftz(fmaf(sn[2], scale_log2, -m_use[1]));
+        const float p3 = exp2_ftz(fmaf(sn[3], scale_log2, -m_use[1]));
+        l[0] += p0 + p1;
+        l[1] += p2 + p3;
+        pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
+        pa[2 * half + 1] = pack2(p2, p3);  // row gid + 8
+    }
+}
+
+// O += P·V for the tile in `sv`, P as `p_fragment` makes it; the row sums `l` rescaled by
+// `alpha` and summed.
 template <int D>
 __device__ __forceinline__ void accumulate_pv(const u16* sv, const float (&s)[PF_KEYS / 8][4],
                                               float scale_log2, const float (&m_use)[2],
@@ -162,24 +189,10 @@ __device__ __forceinline__ void accumulate_pv(const u16* sv, const float (&s)[PF
     // key kk*16 + l%8 (+8 for lanes 8-15 and 24-31) at dims 8(2np + l/16) onwards.
     const unsigned int vl =
         smem_addr(sv) + (((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8) * 2;
-    // P (rounded to 16 bits) as the A operand of P·V, 16 keys per k-step.
 #pragma unroll
     for (int kk = 0; kk < PF_KEYS / 16; ++kk) {
-        unsigned int pa[4];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const float* sn = s[2 * kk + half];
-            const float p0 = exp2_ftz(fmaf(sn[0], scale_log2, -m_use[0]));
-            const float p1 = exp2_ftz(fmaf(sn[1], scale_log2, -m_use[0]));
-            const float p2 = exp2_ftz(fmaf(sn[2], scale_log2, -m_use[1]));
-            const float p3 = exp2_ftz(fmaf(sn[3], scale_log2, -m_use[1]));
-            l[0] += p0 + p1;
-            l[1] += p2 + p3;
-            pa[2 * half] = pack2(p0, p1);      // row gid,     keys tig*2 (+8·half)
-            pa[2 * half + 1] = pack2(p2, p3);  // row gid + 8
-        }
-        // A operand order: a0 (gid, k lo), a1 (gid+8, k lo), a2 (gid, k hi), a3 (gid+8, k hi).
-        const unsigned int pfrag[4] = {pa[0], pa[1], pa[2], pa[3]};
+        unsigned int pfrag[4];
+        p_fragment(s, kk, scale_log2, m_use, l, pfrag);
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             unsigned int b[4];
@@ -190,13 +203,86 @@ __device__ __forceinline__ void accumulate_pv(const u16* sv, const float (&s)[PF
     }
 }
 
+// Whether this module's prefill runs the warpgroup MMAs (the header): built for sm_90a.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_PREFILL true
+#else
+#define WG_PREFILL false
+#endif
+
+// A K or V tile in wgmma's 128-byte swizzle: the head's 64-element column blocks one after
+// another (WG_COLUMN_BYTES each), a key's 128 bytes of a block a row, 16-byte chunk c of
+// key r at chunk c ^ (r % 8). The tile starts 1024-byte aligned.
+#define WG_COLUMN_BYTES (PF_KEYS * 128)
+__device__ __forceinline__ unsigned int wg_tile_offset(int key, int chunk) {
+    return (chunk / 8) * WG_COLUMN_BYTES + key * 128 + (((chunk % 8) ^ (key & 7)) << 4);
+}
+
+// The tile's copies have landed, for every thread and (WG) for wgmma's async proxy too.
+template <bool WG>
+__device__ __forceinline__ void kv_tile_landed() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (WG) fence_proxy_async_smem();
+#endif
+    __syncthreads();
+}
+
+// S = Q·Kᵀ for the block's 64 rows × PF_KEYS keys as one warpgroup, K in the swizzle at
+// shared address `sk`; the same output layout as `tile_scores`.
 template <int D>
+__device__ __forceinline__ void tile_scores_wg(unsigned int sk, const unsigned int (&qa)[D / 16][4],
+                                               float (&s)[PF_KEYS / 8][4]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {  // 16 dims = 32 bytes into a column block's rows
+        const unsigned int at = sk + (ks / 4) * WG_COLUMN_BYTES + (ks % 4) * 32;
+        wgmma_rs_k16<PF_KEYS, 0>(&s[0][0], qa[ks], wgmma_desc_sw128(at, 16), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    wgmma_pin<PF_KEYS / 2>(&s[0][0]);
+#endif
+}
+
+// `accumulate_pv` as one warpgroup, V N-major in the swizzle at shared address `sv`: the
+// same P, row sums and output layout.
+template <int D>
+__device__ __forceinline__ void accumulate_pv_wg(unsigned int sv, const float (&s)[PF_KEYS / 8][4],
+                                                 float scale_log2, const float (&m_use)[2],
+                                                 const float (&alpha)[2], float (&l)[2],
+                                                 float (&o)[D / 8][4]) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    l[0] *= alpha[0];
+    l[1] *= alpha[1];
+    unsigned int pfrag[PF_KEYS / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < PF_KEYS / 16; ++kk) p_fragment(s, kk, scale_log2, m_use, l, pfrag[kk]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < PF_KEYS / 16; ++kk) {  // 16 keys = two 8-row groups of 1024 bytes
+        const unsigned int at = sv + kk * 16 * 128;
+        wgmma_rs_k16<D, 1>(&o[0][0], pfrag[kk], wgmma_desc_sw128(at, WG_COLUMN_BYTES), 1);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    wgmma_pin<D / 2>(&o[0][0]);
+#endif
+}
+
+// WG: the products as warpgroup MMAs (sm_90a, D a multiple of 64; the header).
+template <int D, bool WG>
 __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     constexpr int KS = D / 16;  // k-steps of Q·Kᵀ
     constexpr int NT = D / 8;   // n-tiles of O
-    constexpr int LD = D + PF_PAD;
-    __shared__ __align__(16) u16 sk[PF_KEYS * LD];
-    __shared__ __align__(16) u16 sv[PF_KEYS * LD];
+    constexpr int LD = WG ? D : D + PF_PAD;
+    // K's tile then V's; wgmma's swizzle is of address bits, so WG's start 1024-byte aligned.
+    __shared__ __align__(16) unsigned char kv_raw[2 * PF_KEYS * LD * 2 + (WG ? 1024 : 0)];
+    const unsigned int kv_base = smem_addr(kv_raw);
+    const unsigned int sk_at = WG ? (kv_base + 1023) & ~1023u : kv_base;
+    const unsigned int sv_at = sk_at + PF_KEYS * LD * 2;
+    const u16* sk = reinterpret_cast<const u16*>(kv_raw + (sk_at - kv_base));
+    const u16* sv = reinterpret_cast<const u16*>(kv_raw + (sv_at - kv_base));
 
     const int tile = blockIdx.x, kvh = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -286,7 +372,11 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     const int first = tid / (D / 8), d = (tid % (D / 8)) * 8;
     const char* k_column = reinterpret_cast<const char*>(a.key_cache + (long long)kvh * D + d);
     const char* v_column = reinterpret_cast<const char*>(a.value_cache + (long long)kvh * D + d);
-    const auto copy = [&](bool issue, u16* dst, const char* column, int buf) {
+    // Where the thread's first chunk lands in a tile, and the step between its keys (WG:
+    // its keys are first + STEP·i, all of them ≡ first mod 8, so one swizzled column).
+    const unsigned int chunk_at = WG ? wg_tile_offset(first, d / 8) : (first * LD + d) * 2;
+    const unsigned int key_step = (WG ? 128 : LD * 2) * STEP;
+    const auto copy = [&](bool issue, unsigned int dst, const char* column, int buf) {
         if (!issue) {
             cp_async_commit();
             return;
@@ -302,41 +392,43 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
 #pragma unroll
             for (int i = 0; i < CHUNKS; ++i) row[i] = key_row[buf][first * CHUNKS + i];
         }
-        const unsigned int at = smem_addr(&dst[first * LD + d]);
+        const unsigned int at = dst + chunk_at;
 #pragma unroll
         for (int i = 0; i < CHUNKS; ++i) {
-            cp_async16(at + STEP * i * LD * 2, column + (unsigned long long)row[i] * 16);
+            cp_async16(at + key_step * i, column + (unsigned long long)row[i] * 16);
         }
         cp_async_commit();
     };
     lookup(0, 0);
     __syncthreads();
-    copy(true, sk, k_column, 0);
-    copy(true, sv, v_column, 0);
+    copy(true, sk_at, k_column, 0);
+    copy(true, sv_at, v_column, 0);
     for (int k0 = 0, buf = 1; k0 < tile_keys; k0 += PF_KEYS, buf ^= 1) {
         const bool more = k0 + PF_KEYS < tile_keys;
         if (more) lookup(k0 + PF_KEYS, buf);
         cp_async_wait<1>();  // K(i); V(i) may be in flight
-        __syncthreads();
+        kv_tile_landed<WG>();
         // Every key of this tile is masked for the warp: it only takes part in the copies.
-        const bool skip = k0 >= warp_keys;
+        const bool skip = !WG && k0 >= warp_keys;
 
         float s[PF_KEYS / 8][4];
         float m_use[2], alpha[2];
         if (!skip) {
-            tile_scores<D>(sk, qa, lane, s);
+            if constexpr (WG) tile_scores_wg<D>(sk_at, qa, s);
+            else tile_scores<D>(sk, qa, lane, s);
             online_softmax<D>(s, k0, tig, limit, k0 + PF_KEYS > warp_seen, scale_log2, m,
                               m_use, alpha, o);
         }
         __syncthreads();  // every warp is done with K(i)
-        copy(more, sk, k_column, buf);
+        copy(more, sk_at, k_column, buf);
         cp_async_wait<1>();  // V(i); K(i + 1) may be in flight
-        __syncthreads();
+        kv_tile_landed<WG>();
         if (!skip) {
-            accumulate_pv<D>(sv, s, scale_log2, m_use, alpha, lane, l, o);
+            if constexpr (WG) accumulate_pv_wg<D>(sv_at, s, scale_log2, m_use, alpha, l, o);
+            else accumulate_pv<D>(sv, s, scale_log2, m_use, alpha, lane, l, o);
         }
         __syncthreads();  // every warp is done with V(i)
-        copy(more, sv, v_column, buf);
+        copy(more, sv_at, v_column, buf);
     }
 
     // Normalise by the row sums (summed over the quad) and store.
@@ -355,6 +447,21 @@ __device__ void paged_attention_prefill_impl(const PrefillArgs& a) {
     }
 }
 
-HEAD_DIM_KERNELS(paged_attention_prefill, paged_attention_prefill_impl, PF_THREADS, PrefillArgs)
+// The warpgroup kernel where the module is built for sm_90a and the head size allows it.
+template <int D>
+__device__ void paged_attention_prefill_for(const PrefillArgs& a) {
+    paged_attention_prefill_impl<D, WG_PREFILL && D % 64 == 0>(a);
+}
+
+HEAD_DIM_KERNEL(paged_attention_prefill, paged_attention_prefill_for, PF_THREADS, PrefillArgs, 16)
+HEAD_DIM_KERNEL(paged_attention_prefill, paged_attention_prefill_for, PF_THREADS, PrefillArgs, 32)
+HEAD_DIM_KERNEL(paged_attention_prefill, paged_attention_prefill_for, PF_THREADS, PrefillArgs, 64)
+// d128 as HEAD_DIM_KERNEL writes it, with the blocks an SM asked of the warpgroup kernel:
+// three at 168 registers (186 unbounded, two an SM).
+extern "C" __global__ void __launch_bounds__(PF_THREADS, WG_PREFILL ? 3 : 1)
+    paged_attention_prefill_d128(PrefillArgs a) {
+    pdl_enter();
+    paged_attention_prefill_for<128>(a);
+}
 
 #endif  // !VLLM_DTYPE_F32

@@ -91,33 +91,7 @@ __device__ __forceinline__ void tg_load_x(const ThinGemmArgs& a, char* sx, int k
     }
 }
 
-// Shared-memory descriptor of a K-major tile in the 128-byte swizzle: 8-row groups 1024
-// bytes apart (the stride byte offset); the leading offset is unused in this mode.
-__device__ __forceinline__ unsigned long long tg_desc(const void* p) {
-    return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) |
-           ((1024ull >> 4) << 32) | (1ull << 62);
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait_all() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-// cp.async writes through the generic proxy, wgmma reads through the async one.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-// Keeps the compiler from moving uses of an accumulator across a wgmma fence or wait.
-template <int R>
-__device__ __forceinline__ void tg_pin(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 __device__ __forceinline__ void tg_cluster_sync() {
     asm volatile(
         "barrier.cluster.arrive.release.aligned;\n\t"
@@ -225,14 +199,15 @@ __device__ void thin_gemm_impl(const ThinGemmArgs& a) {
         }
         cp_async_commit();
         const char* sw = smem + (t % TG_STAGES) * STAGE;
-        tg_pin(acc);
+        wgmma_pin<BM / 2>(acc);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < TG_BK / 16; ++ks)  // 16 k = 32 bytes into the swizzled rows
-            wgmma_k16<BM>(acc, tg_desc(sw + ks * 32), tg_desc(sw + W_BYTES + ks * 32));
+            wgmma_k16<BM>(acc, wgmma_desc_sw128(smem_addr(sw + ks * 32), 16),
+                          wgmma_desc_sw128(smem_addr(sw + W_BYTES + ks * 32), 16));
         wgmma_commit();
         wgmma_wait_all();
-        tg_pin(acc);
+        wgmma_pin<BM / 2>(acc);
     }
     cp_async_wait<0>();  // only empty groups are left, but leave none in flight
     __syncthreads();     // the stages become the partial tile `sc`

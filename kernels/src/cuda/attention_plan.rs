@@ -258,6 +258,26 @@ impl AttentionPlan {
         self.tile_seq.len()
     }
 
+    /// The tensor-core tiles by the keys their last token sees, most first (ties in batch
+    /// order): a causal prompt's tiles grow along it, and in prompt order each kv head's
+    /// longest tiles started last, in the grid's last wave. The kernel places each output
+    /// by its tile's sequence and token, so the order changes no value.
+    fn order_tiles_longest_first(&mut self, query_start_loc: &[i32], seq_lens: &[i32]) {
+        let tile_keys = |&(s, t): &(i32, i32)| {
+            let (s, end) = (s as usize, query_start_loc[s as usize + 1]);
+            let last = (t + self.tokens_per_tile as i32).min(end);
+            seq_lens[s] - (end - last)
+        };
+        let mut tiles: Vec<(i32, i32)> = self
+            .tile_seq
+            .iter()
+            .copied()
+            .zip(self.tile_token.iter().copied())
+            .collect();
+        tiles.sort_by_key(|tile| std::cmp::Reverse(tile_keys(tile)));
+        (self.tile_seq, self.tile_token) = tiles.into_iter().unzip();
+    }
+
     /// Decode sequences, tiles and splits for one step with the given kernels.
     pub fn new(
         query_start_loc: &[i32],
@@ -335,6 +355,9 @@ impl AttentionPlan {
         // sequence, so the order changes no value.
         plan.decode_seqs
             .sort_by_key(|&s| std::cmp::Reverse(seq_lens[s as usize]));
+        if tile_kernel == TileKernel::TensorCore {
+            plan.order_tiles_longest_first(query_start_loc, seq_lens);
+        }
         if tile_kernel == TileKernel::CudaCore {
             (plan.num_splits, plan.split_keys) =
                 cuda_core_splits(plan.num_tiles() * num_kv_heads, max_tile_keys, num_sms);
@@ -489,8 +512,9 @@ mod tests {
         let p = AttentionPlan::new(&[0, 20, 21, 29], &[20, 5, 40], 16, 8, 132, FLASH).unwrap();
         assert_eq!(p.tile_kernel, TileKernel::TensorCore);
         assert_eq!(p.tokens_per_tile, 32);
-        assert_eq!(p.tile_seq, vec![0, 2]);
-        assert_eq!(p.tile_token, vec![0, 21]);
+        // Longest first (`tensor_core_tiles_run_longest_first`): 40 keys, then 20.
+        assert_eq!(p.tile_seq, vec![2, 0]);
+        assert_eq!(p.tile_token, vec![21, 0]);
         // The CUDA-core kernels take every token, the decode too.
         let kernels = AttentionKernels::CUDA_CORE;
         let p = AttentionPlan::new(&[0, 20, 21, 29], &[20, 5, 40], 16, 8, 132, kernels).unwrap();
@@ -507,6 +531,18 @@ mod tests {
         // Ties keep the batch order (a stable sort).
         assert_eq!(p.decode_seqs, vec![2, 3, 5, 0]);
         assert_eq!(p.tile_seq, vec![1, 4]);
+    }
+
+    #[test]
+    fn tensor_core_tiles_run_longest_first() {
+        // Group 2: 32 tokens a tile. A prompt of 70 tokens after 10 cached (tiles of 42, 74
+        // and 80 keys) and a fresh one of 40 (32 and 40 keys); ties keep the batch order.
+        let p = AttentionPlan::new(&[0, 70, 110], &[80, 40], 16, 8, 132, FLASH).unwrap();
+        assert_eq!(p.tile_seq, vec![0, 0, 0, 1, 1]);
+        assert_eq!(p.tile_token, vec![64, 32, 0, 102, 70]);
+        // The CUDA-core tiles keep their order (their splits are planned over it).
+        let p = AttentionPlan::new(&[0, 70, 110], &[80, 40], 16, 8, 132, FLASH_F32).unwrap();
+        assert_eq!(p.tile_token[..3], [0, 8, 16]);
     }
 
     /// query_start_loc of `decodes` one-token sequences, then one prefill of 4 tokens.

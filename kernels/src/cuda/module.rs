@@ -52,6 +52,8 @@ pub struct Functions<F = CudaFunction> {
     pub paged_attention_decode_combine: F,
     /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
     pub paged_attention_prefill: Option<[F; 4]>,
+    /// Its d128 kernel at two blocks an SM; bf16 and fp16 modules only.
+    pub paged_attention_prefill_d128_occ2: Option<F>,
     /// `thin_gemm_m{BM}` and `thin_gemm_silu_m{BM}` by `THIN_GEMM_BLOCK_ROWS`; bf16 and
     /// fp16 modules only.
     pub thin_gemm: Option<([F; 2], [F; 2])>,
@@ -120,6 +122,10 @@ impl<F> Functions<F> {
                 _ => Some(family(HEAD_DIMS, |d| {
                     f(&format!("paged_attention_prefill_d{d}"))
                 })?),
+            },
+            paged_attention_prefill_d128_occ2: match dtype {
+                DType::F32 => None,
+                _ => Some(f("paged_attention_prefill_d128_occ2")?),
             },
             thin_gemm: match dtype {
                 DType::F32 => None,

@@ -312,6 +312,15 @@ pub(crate) fn rows_cfg(rows: usize, threads: u32) -> LaunchConfig {
     }
 }
 
+/// Whether a tensor-core prefill grid of `blocks` takes d128's two-blocks-an-SM kernel:
+/// where the grid is one wave of two blocks an SM, the faster block wins (an H100: a
+/// 512-token chat turn over 3,584 cached keys, 256 blocks at Qwen3-8B's heads, 111 -> 93
+/// µs); past that the third block an SM does, even at 512 blocks, where a fresh 2,048-token
+/// prompt's triangle of tiles lost 3-7 % of its TTFT (docs/BENCHMARKS.md, 2026-11-27).
+fn prefill_takes_occ2(head_dim: usize, blocks: usize, num_sms: usize) -> bool {
+    head_dim == 128 && blocks <= 2 * num_sms
+}
+
 /// Threads for a one-block-per-row reduction over `cols`: a multiple of 32, at most 1024.
 fn row_threads(cols: usize) -> u32 {
     (cols.div_ceil(32) * 32).clamp(32, 1024) as u32
@@ -940,7 +949,14 @@ impl CudaOps {
         if plan.num_tiles() > 0 {
             match (plan.tile_kernel, &self.f.paged_attention_prefill) {
                 (TileKernel::TensorCore, Some(f)) => {
-                    self.attention_tiles_tensor_core(&f[d_index], &caches, out)?
+                    let blocks = plan.num_tiles() * dims.num_kv_heads;
+                    let func = match &self.f.paged_attention_prefill_d128_occ2 {
+                        Some(occ2) if prefill_takes_occ2(dims.head_dim, blocks, self.num_sms) => {
+                            occ2
+                        }
+                        _ => &f[d_index],
+                    };
+                    self.attention_tiles_tensor_core(func, &caches, out)?
                 }
                 (TileKernel::TensorCore, None) => {
                     bail!("paged attention: no tensor-core kernel in the f32 module")
@@ -1200,7 +1216,20 @@ impl CudaOps {
 
 #[cfg(test)]
 mod tests {
-    use super::{qkv_wide_lanes, QkvBlocks};
+    use super::{prefill_takes_occ2, qkv_wide_lanes, QkvBlocks};
+
+    #[test]
+    fn small_d128_prefill_grids_take_the_two_block_kernel() {
+        // Grids of the bench on an H100 (132 SMs): a chat turn's 128 and 256 blocks fit
+        // one wave of two an SM; a 2,048-token prompt's 512 and more do not.
+        for blocks in [1, 128, 256, 264] {
+            assert!(prefill_takes_occ2(128, blocks, 132), "{blocks}");
+        }
+        for blocks in [265, 512, 1024, 1816, 2048, 4096] {
+            assert!(!prefill_takes_occ2(128, blocks, 132), "{blocks}");
+        }
+        assert!(!prefill_takes_occ2(64, 128, 132));
+    }
 
     #[test]
     fn qkv_prepare_takes_a_tokens_heads_in_one_block_at_65_to_128_tokens() {

@@ -457,9 +457,15 @@ HEAD_DIM_KERNEL(paged_attention_prefill, paged_attention_prefill_for, PF_THREADS
 HEAD_DIM_KERNEL(paged_attention_prefill, paged_attention_prefill_for, PF_THREADS, PrefillArgs, 32)
 HEAD_DIM_KERNEL(paged_attention_prefill, paged_attention_prefill_for, PF_THREADS, PrefillArgs, 64)
 // d128 as HEAD_DIM_KERNEL writes it, with the blocks an SM asked of the warpgroup kernel:
-// three at 168 registers (186 unbounded, two an SM).
+// three at 168 registers. `_occ2` leaves them unbounded (186, two an SM), faster a block:
+// the host takes it for grids of one wave at two an SM (ops.rs, `prefill_takes_occ2`).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, WG_PREFILL ? 3 : 1)
     paged_attention_prefill_d128(PrefillArgs a) {
+    pdl_enter();
+    paged_attention_prefill_for<128>(a);
+}
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+    paged_attention_prefill_d128_occ2(PrefillArgs a) {
     pdl_enter();
     paged_attention_prefill_for<128>(a);
 }

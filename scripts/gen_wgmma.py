@@ -78,20 +78,27 @@ for n in SS_WIDTHS:
         "}",
         "",
     ]
-out += [
-    "// wgmma_k16<N>: the wrapper of width N.",
-    "template <int N>",
-    "__device__ __forceinline__ void wgmma_k16(float (&d)[N / 2], unsigned long long da,",
-    "                                          unsigned long long db) {",
-]
-for i, n in enumerate(SS_WIDTHS):
-    kw = "if" if i == 0 else "else if"
-    out += [f"    {kw} constexpr (N == {n}) wgmma_m64n{n}k16(d, da, db);"]
-out += [
-    '    else static_assert(N == 0, "wgmma_k16: no such width");',
-    "}",
-    "",
-]
+
+
+def dispatcher(comment, template, signature, widths, call):
+    """A wrapper templated on the width N that calls the generated wrapper of that width."""
+    name = signature.split("(")[0]
+    lines = [f"// {comment}", f"template <{template}>", f"__device__ __forceinline__ void {signature} {{"]
+    for i, n in enumerate(widths):
+        kw = "if" if i == 0 else "else if"
+        lines.append(f"    {kw} constexpr (N == {n}) {call.format(n=n)};")
+    lines += [f'    else static_assert(N == 0, "{name}: no such width");', "}", ""]
+    return lines
+
+
+out += dispatcher(
+    "wgmma_k16<N>: the wrapper of width N.",
+    "int N",
+    "wgmma_k16(float (&d)[N / 2], unsigned long long da,\n"
+    "                                          unsigned long long db)",
+    SS_WIDTHS,
+    "wgmma_m64n{n}k16(d, da, db)",
+)
 for n in RS_WIDTHS:
     regs = n // 2
     out += [
@@ -107,21 +114,14 @@ for n in RS_WIDTHS:
         "}",
         "",
     ]
-out += [
-    "// wgmma_rs_k16<N, TB>: the register-A wrapper of width N.",
-    "template <int N, int TB>",
-    "__device__ __forceinline__ void wgmma_rs_k16(float* d, const unsigned int* a,",
-    "                                             unsigned long long db, int scale_d) {",
-]
-for i, n in enumerate(RS_WIDTHS):
-    kw = "if" if i == 0 else "else if"
-    out += [f"    {kw} constexpr (N == {n}) wgmma_rs_m64n{n}k16<TB>(d, a, db, scale_d);"]
-out += [
-    '    else static_assert(N == 0, "wgmma_rs_k16: no such width");',
-    "}",
-    "",
-    "#endif",
-    "",
-]
+out += dispatcher(
+    "wgmma_rs_k16<N, TB>: the register-A wrapper of width N.",
+    "int N, int TB",
+    "wgmma_rs_k16(float* d, const unsigned int* a,\n"
+    "                                             unsigned long long db, int scale_d)",
+    RS_WIDTHS,
+    "wgmma_rs_m64n{n}k16<TB>(d, a, db, scale_d)",
+)
+out += ["#endif", ""]
 path = pathlib.Path(__file__).resolve().parent.parent / "kernels/src/cuda/csrc/wgmma.cuh"
 path.write_text("\n".join(out))

@@ -50,10 +50,9 @@ pub struct Functions<F = CudaFunction> {
     /// The group of 8's decode kernel at head size 128 for large grids (four blocks an SM).
     pub paged_attention_decode_d128_g8_occ4: F,
     pub paged_attention_decode_combine: F,
-    /// The tensor-core prefill kernel by head size; bf16 and fp16 modules only.
-    pub paged_attention_prefill: Option<[F; 4]>,
-    /// Its d128 kernel at two blocks an SM; bf16 and fp16 modules only.
-    pub paged_attention_prefill_d128_occ2: Option<F>,
+    /// The tensor-core prefill kernel by head size, and its d128 kernel at two blocks an SM
+    /// (`_d128_occ2`); bf16 and fp16 modules only.
+    pub paged_attention_prefill: Option<([F; 4], F)>,
     /// `thin_gemm_m{BM}` and `thin_gemm_silu_m{BM}` by `THIN_GEMM_BLOCK_ROWS`; bf16 and
     /// fp16 modules only.
     pub thin_gemm: Option<([F; 2], [F; 2])>,
@@ -119,13 +118,10 @@ impl<F> Functions<F> {
             paged_attention_decode_combine: f("paged_attention_decode_combine")?,
             paged_attention_prefill: match dtype {
                 DType::F32 => None,
-                _ => Some(family(HEAD_DIMS, |d| {
-                    f(&format!("paged_attention_prefill_d{d}"))
-                })?),
-            },
-            paged_attention_prefill_d128_occ2: match dtype {
-                DType::F32 => None,
-                _ => Some(f("paged_attention_prefill_d128_occ2")?),
+                _ => Some((
+                    family(HEAD_DIMS, |d| f(&format!("paged_attention_prefill_d{d}")))?,
+                    f("paged_attention_prefill_d128_occ2")?,
+                )),
             },
             thin_gemm: match dtype {
                 DType::F32 => None,

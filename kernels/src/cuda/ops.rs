@@ -948,13 +948,12 @@ impl CudaOps {
         // decode kernel then writes the decode rows.
         if plan.num_tiles() > 0 {
             match (plan.tile_kernel, &self.f.paged_attention_prefill) {
-                (TileKernel::TensorCore, Some(f)) => {
+                (TileKernel::TensorCore, Some((by_head_dim, d128_occ2))) => {
                     let blocks = plan.num_tiles() * dims.num_kv_heads;
-                    let func = match &self.f.paged_attention_prefill_d128_occ2 {
-                        Some(occ2) if prefill_takes_occ2(dims.head_dim, blocks, self.num_sms) => {
-                            occ2
-                        }
-                        _ => &f[d_index],
+                    let func = if prefill_takes_occ2(dims.head_dim, blocks, self.num_sms) {
+                        d128_occ2
+                    } else {
+                        &by_head_dim[d_index]
                     };
                     self.attention_tiles_tensor_core(func, &caches, out)?
                 }

@@ -605,7 +605,8 @@ impl ModelRunner<CudaBackend> {
             self.model_config.head_dim,
         )?;
         let meta = self.backend.upload_step(&inputs)?;
-        let hidden = self.model.forward(&self.backend, &meta, &mut cache)?;
+        let (model, backend) = (&self.model, &self.backend);
+        let hidden = backend.warming_gemms(|| model.forward(backend, &meta, &mut cache))?;
         let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
         let n = inputs.logits_indices.len();
         let params = vllm_protocol::SamplingParams::default();

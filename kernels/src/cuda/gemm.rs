@@ -2,11 +2,14 @@
 //! and output in the activation dtype, accumulation in f32 (`CUBLAS_COMPUTE_32F`; for f32
 //! data no TF32, so the f32 build matches the CPU reference closely). In bf16 and f16 the
 //! shapes met while `tuning` (the CUDA graphs' warm-up runs) get the fastest cuBLASLt
-//! algorithm for them (lt_matmul.rs); every other shape runs cuBLAS's default.
+//! algorithm for them (lt_matmul.rs); every other shape runs cuBLAS's default. Products
+//! run at `padded_rows` (a few row counts), whose prefill kernels `warming` loads at
+//! start-up.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, ensure, Result};
 use cudarc::cublas::{result as cr, sys as cs, CudaBlas};
@@ -25,12 +28,45 @@ pub struct Gemm {
     lt: Option<LtMatmul>,
     /// While set, a shape without a tuned algorithm is tuned on first use.
     tuning: AtomicBool,
+    /// While set, a product of prefill rows first runs at every smaller prefill row count,
+    /// once a (k, n, β) (`warming`).
+    warming: AtomicBool,
+    warmed: Mutex<HashSet<(usize, usize, Beta)>>,
     /// cuBLAS's workspace, ours for the handle's lifetime: a GEMM captured into a CUDA
     /// graph must not allocate (cuBLAS asks for 32 MiB on Hopper).
     _workspace: CudaSlice<u8>,
 }
 
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// The rows cuBLAS runs for a product of `m` rows where its buffers hold them (the rows
+/// past m are never read): from 33 rows, m rounded up to a multiple of 8 (the decode
+/// graphs' batch sizes) or of a sixteenth of m's power of two, whichever is larger, so at
+/// most 6 % more rows past a decode batch and 16 row counts an octave. cuBLAS loads a
+/// kernel the first time it takes it, and which one it takes depends finely on m: the
+/// first prefill of an unseen row count (nanovllm-256's last, 5,813 rows) held the host
+/// for 25-30 ms, a whole step (docs/BENCHMARKS.md, "A prefill step that stalls the
+/// host"). Rounded, an eager step runs only row counts the start-up ran: the graphs' up
+/// to 256, and `Gemm::warming` the rest.
+pub fn padded_rows(m: usize) -> usize {
+    if m <= 32 {
+        return m; // our own GEMMs' rows on Hopper (gemv, thin_gemm)
+    }
+    let octave = 1usize << m.ilog2();
+    m.next_multiple_of((octave / 16).max(8))
+}
+
+/// The most rows a decode graph runs: a product of more is a prefill's, which `warming`
+/// covers.
+const DECODE_ROWS: usize = 256;
+
+/// `padded_rows`' values between a decode batch and `up_to`, rising.
+fn prefill_row_counts(up_to: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(padded_rows(DECODE_ROWS + 1)), |&m| {
+        Some(padded_rows(m + 1))
+    })
+    .take_while(move |&m| m <= up_to)
+}
 
 fn data_type(dtype: DType) -> cs::cudaDataType {
     match dtype {
@@ -75,6 +111,8 @@ impl Gemm {
             dtype,
             lt,
             tuning: AtomicBool::new(false),
+            warming: AtomicBool::new(false),
+            warmed: Mutex::new(HashSet::new()),
             _workspace: workspace,
         })
     }
@@ -89,6 +127,18 @@ impl Gemm {
         if let Some(lt) = &self.lt {
             lt.save();
         }
+        r
+    }
+
+    /// Runs `f` (the start-up's worst-case step, whose products have the most rows a step
+    /// can have) with warming on: the first product of each (k, n, β) with more rows than a
+    /// decode step first runs at each smaller row count of `padded_rows`, on its own
+    /// operands, so that cuBLAS loads every kernel a prefill can take now rather than in
+    /// the middle of serving. The product itself runs last, so `f`'s results stand.
+    pub fn warming<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.warming.store(true, Ordering::Relaxed);
+        let r = f();
+        self.warming.store(false, Ordering::Relaxed);
         r
     }
 
@@ -134,13 +184,17 @@ impl Gemm {
         k: usize,
         n: usize,
     ) -> Result<()> {
-        let untuned = self.lt.as_ref().is_some_and(|lt| !lt.is_tuned((m, k, n)));
+        let rows = self.run_rows(x, out, (m, k, n));
+        let untuned = self
+            .lt
+            .as_ref()
+            .is_some_and(|lt| !lt.is_tuned((rows, k, n)));
         if self.is_tuning() && untuned && m * n > 0 {
             let mut scratch = self
                 .stream
-                .alloc_zeros::<u8>(m * n * self.dtype.size())
-                .map_err(|e| anyhow!("a scratch output to tune [{m}, {k}, {n}]: {e:?}"))?;
-            self.linear(x, w, &mut scratch, m, k, n)?;
+                .alloc_zeros::<u8>(rows * n * self.dtype.size())
+                .map_err(|e| anyhow!("a scratch output to tune [{rows}, {k}, {n}]: {e:?}"))?;
+            self.linear(x, w, &mut scratch, rows, k, n)?;
         }
         self.product(x, w, out, (m, k, n), Beta::One)
     }
@@ -156,6 +210,7 @@ impl Gemm {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        let m = self.run_rows(x, out, (m, k, n));
         let es = self.dtype.size();
         ensure!(
             x.len() >= m * k * es,
@@ -172,33 +227,63 @@ impl Gemm {
             "linear: out holds {} bytes for [{m}, {n}]",
             out.len()
         );
+        let (xp, _gx) = x.device_ptr(&self.stream);
+        let (wp, _gw) = w.device_ptr(&self.stream);
+        let (op, _go) = out.device_ptr(&self.stream);
+        let ops = Operands {
+            x: xp,
+            w: wp,
+            y: op,
+        };
+        if self.warms((m, k, n), beta)? {
+            for rows in prefill_row_counts(m).filter(|&r| r < m) {
+                self.dispatch(ops, (rows, k, n), beta)?;
+            }
+        }
+        self.dispatch(ops, (m, k, n), beta)
+    }
+
+    /// The rows a product of (m, k, n) runs: `padded_rows(m)` where x and out hold them.
+    fn run_rows(&self, x: &CudaSlice<u8>, out: &CudaSlice<u8>, (m, k, n): Mkn) -> usize {
+        let (padded, es) = (padded_rows(m), self.dtype.size());
+        if x.len() >= padded * k * es && out.len() >= padded * n * es {
+            padded
+        } else {
+            m
+        }
+    }
+
+    /// Whether this product is the first of its (k, n, β) at prefill rows while warming.
+    fn warms(&self, (m, k, n): Mkn, beta: Beta) -> Result<bool> {
+        if m <= DECODE_ROWS || !self.warming.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let mut warmed =
+            (self.warmed.lock()).map_err(|_| anyhow!("a panic held the GEMM's warmed shapes"))?;
+        Ok(warmed.insert((k, n, beta)))
+    }
+
+    /// The product on operands whose sizes `product` checked: the tuned cuBLASLt algorithm
+    /// where the shape has one, else cuBLAS's default.
+    fn dispatch(&self, ops: Operands, (m, k, n): Mkn, beta: Beta) -> Result<()> {
         let dims = |v: usize| {
             i32::try_from(v).map_err(|_| anyhow!("linear: dimension {v} exceeds cuBLAS's i32"))
         };
         let (mi, ki, ni) = (dims(m)?, dims(k)?, dims(n)?);
-        let (xp, _gx) = x.device_ptr(&self.stream);
-        let (wp, _gw) = w.device_ptr(&self.stream);
-        let (op, _go) = out.device_ptr(&self.stream);
+        let ptrs = (ops.x, ops.w, ops.y);
         let Some(lt) = &self.lt else {
-            return self.gemm_ex((xp, wp, op), (mi, ki, ni), beta);
+            return self.gemm_ex(ptrs, (mi, ki, ni), beta);
         };
-        let (mkn, ops) = (
-            (m, k, n),
-            Operands {
-                x: xp,
-                w: wp,
-                y: op,
-            },
-        );
+        let mkn = (m, k, n);
         if self.is_tuning() && !lt.is_tuned(mkn) {
             // `linear_add` tunes through `linear` first, so β is 0 here.
-            let mut baseline = || self.gemm_ex((xp, wp, op), (mi, ki, ni), Beta::Zero);
+            let mut baseline = || self.gemm_ex(ptrs, (mi, ki, ni), Beta::Zero);
             lt.tune(mkn, ops, &mut baseline)?;
         }
         if lt.run(mkn, ops, beta)? {
             return Ok(());
         }
-        self.gemm_ex((xp, wp, op), (mi, ki, ni), beta)
+        self.gemm_ex(ptrs, (mi, ki, ni), beta)
     }
 
     /// cuBLAS's default GEMM on device pointers (x, w, out) of sizes checked by `product`.
@@ -237,5 +322,42 @@ impl Gemm {
             )
         }
         .map_err(|e| anyhow!("cuBLAS: gemm [{mi}x{ki}]·[{ni}x{ki}]ᵀ failed: {e:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eager_rows_round_to_the_decode_graphs_batches_and_to_few_prefill_counts() {
+        // Our own GEMMs' rows stay as they are; 33-256 become a graph's batch size.
+        assert_eq!(
+            (1..=32).map(padded_rows).collect::<Vec<_>>(),
+            (1..=32).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            [33, 40, 41, 255, 256].map(padded_rows),
+            [40, 40, 48, 256, 256]
+        );
+        // Past a decode batch, 16 counts an octave, each at most 1/16 over the rows asked.
+        let counts: Vec<usize> = prefill_row_counts(8192).collect();
+        assert_eq!(counts.len(), 80);
+        assert_eq!(counts[..3], [272, 288, 304]);
+        assert_eq!(counts[14..18], [496, 512, 544, 576]);
+        assert_eq!(counts.last(), Some(&8192));
+        for m in 1..=20_000 {
+            let p = padded_rows(m);
+            assert!(p >= m && p - m < (m / 16).max(8), "{m} -> {p}");
+            assert_eq!(padded_rows(p), p, "{m} -> {p} is not a fixed point");
+            if (DECODE_ROWS + 1..=8192).contains(&m) {
+                assert!(
+                    counts.contains(&p),
+                    "{m} -> {p}, which warming does not run"
+                );
+            }
+        }
+        assert_eq!(prefill_row_counts(9000).last(), Some(8704));
+        assert_eq!(prefill_row_counts(256).count(), 0);
     }
 }

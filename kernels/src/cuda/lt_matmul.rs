@@ -166,7 +166,7 @@ pub struct Operands {
 }
 
 /// What a product does with y's old contents: cuBLAS's β.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Beta {
     /// y = x · wᵀ.
     Zero,

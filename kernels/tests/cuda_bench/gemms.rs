@@ -460,3 +460,72 @@ fn layer_gemms_l2() {
         );
     }
 }
+
+/// The host time of each prefill GEMM's first use at a row count, less its second use: more
+/// than a millisecond is cuBLAS loading a kernel (docs/BENCHMARKS.md, "A prefill step that
+/// stalls the host"). First the layer GEMMs of Qwen3-0.6B and Qwen3-8B at 8,192 rows under
+/// `Gemm::warming`, as the start-up's worst-case step runs them (o_proj and down_proj with
+/// β = 1, as the model does), then at row counts no step ran.
+///
+///   cuda_bench gemm_first_use --ignored --nocapture
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemm_first_use() {
+    let Some(dev) = common::device() else { return };
+    let ops = CudaOps::new(&dev, DType::BF16).expect("build kernels");
+    const MAX_ROWS: usize = 8192;
+    for (model, shapes) in &MODEL_GEMMS {
+        let gemm = Gemm::new(dev.stream.clone(), DType::BF16).unwrap();
+        let layer = &shapes[..4];
+        let max_k = layer.iter().map(|s| s.1).max().unwrap_or(1);
+        let max_n = layer.iter().map(|s| s.2).max().unwrap_or(1);
+        let x = random(&dev, MAX_ROWS * max_k, 5);
+        let ws: Vec<_> = layer
+            .iter()
+            .map(|&(_, k, n)| random(&dev, n * k, 6))
+            .collect();
+        let mut out = ops.alloc(MAX_ROWS * max_n).unwrap();
+        // Host milliseconds of each layer GEMM at m rows.
+        let mut layer_at = |m: usize| -> Vec<f64> {
+            layer
+                .iter()
+                .zip(&ws)
+                .map(|(&(name, k, n), w)| {
+                    dev.synchronize().expect("sync");
+                    let t = Instant::now();
+                    if name == "o_proj" || name == "down_proj" {
+                        gemm.linear_add(&x, w, &mut out, m, k, n).unwrap();
+                    } else {
+                        gemm.linear(&x, w, &mut out, m, k, n).unwrap();
+                    }
+                    dev.synchronize().expect("sync");
+                    t.elapsed().as_secs_f64() * 1e3
+                })
+                .collect()
+        };
+        let t = Instant::now();
+        gemm.warming(|| layer_at(MAX_ROWS));
+        println!(
+            "BENCH {model} warming at {MAX_ROWS} rows: {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        let (mut loads, mut worst) = (0, 0.0f64);
+        let counts = [
+            5813, 4095, 6143, 3001, 7777, 1000, 333, 2049, 257, 700, 1500, 4500,
+        ];
+        for m in counts {
+            let (first, second) = (layer_at(m), layer_at(m));
+            for ((name, _, _), (a, b)) in layer.iter().zip(first.iter().zip(&second)) {
+                if a - b > 1.0 {
+                    println!("BENCH {model} first use m={m}: {name} {a:.1} ms, then {b:.1}");
+                    loads += 1;
+                }
+                worst = worst.max(a - b);
+            }
+        }
+        println!(
+            "BENCH {model} after warming: {} row counts, {loads} loads, most {worst:.1} ms over the second use",
+            counts.len()
+        );
+    }
+}

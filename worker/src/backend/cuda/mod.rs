@@ -22,6 +22,7 @@ use std::cell::{Cell, RefCell};
 
 use anyhow::{bail, ensure, Context, Result};
 use vllm_kernels::cpu::attention::PagedAttentionShape;
+use vllm_kernels::cuda::gemm::padded_rows;
 use vllm_kernels::cuda::{
     AttentionDims, AttentionKernels, AttentionMeta, AttentionPlan, CudaDevice, CudaOps, DType,
     Gemm, GemvNorm, TuningCounts, GEMV_PAYS_MAX_M, THIN_GEMM_MAX_M,
@@ -146,6 +147,12 @@ impl CudaBackend {
         self.gemm.tuning(f)
     }
 
+    /// Runs `f`, the worst-case step, with cuBLAS's prefill kernels loaded at every row
+    /// count an eager step can run (`Gemm::warming`).
+    pub fn warming_gemms<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.gemm.warming(f)
+    }
+
     /// GEMM shapes tuned so far: how many, won by cuBLASLt, timed rather than recorded.
     pub fn gemm_tuning_counts(&self) -> TuningCounts {
         self.gemm.tuning_counts()
@@ -185,8 +192,15 @@ impl CudaBackend {
         seeded_uniform(seed ^ 0x005E_ED0F_C0DA_u64, n)
     }
 
+    /// Room for `shape`, whose rows, past a decode batch, are rounded up as cuBLAS runs
+    /// them (`padded_rows`), so that any such tensor can be a GEMM's operand or output.
     fn tensor(&self, shape: Vec<usize>) -> Result<CudaTensor> {
-        let buf = self.ops.alloc(shape.iter().product())?;
+        let numel: usize = shape.iter().product();
+        let elems = match shape[..] {
+            [rows, _, ..] if rows > 0 => padded_rows(rows) * (numel / rows),
+            _ => numel,
+        };
+        let buf = self.ops.alloc(elems)?;
         Ok(CudaTensor { shape, buf })
     }
 }

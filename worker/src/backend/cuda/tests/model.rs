@@ -110,6 +110,33 @@ fn cuda_model_matches_cpu_backend_in_bf16() {
     }
 }
 
+/// Prefills of more rows than a decode batch, whose GEMMs and LM head run at padded row
+/// counts (`padded_rows`: 601 + 7 + 5 tokens in steps of 305 and 308 rows, each run as
+/// 320), against the CPU backend in f32.
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
+fn cuda_prefill_of_padded_rows_matches_cpu() {
+    if !gpu_present() {
+        return;
+    }
+    let preset = "tiny-qwen3";
+    let dir = model_dir(preset);
+    let vocab = TinyModelSpec::preset(preset).unwrap().vocab;
+    let ps: Vec<Vec<u32>> = [601, 7, 5]
+        .iter()
+        .map(|&len| {
+            (0..len)
+                .map(|j| ((j * 104_729 + len) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let cpu = run_batch(&CpuBackend::new(), &dir, &ps, 4, true).unwrap();
+    let gpu = CudaBackend::new(0, DType::F32).unwrap();
+    let cuda = run_batch(&gpu, &dir, &ps, 4, true).unwrap();
+    let kernels = AttentionKernels::flash(false);
+    check_against_cpu(preset, DType::F32, kernels, &cpu, &cuda, 4, 2e-3);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU: scripts/gpu_round.sh runs it with --ignored"]
 fn dummy_weights_drawn_on_the_gpu_equal_the_host_draw() {

@@ -103,13 +103,26 @@ fn eager_pass<B: Backend>(
     after_upload: impl FnOnce(&B) -> Result<()>,
 ) -> Result<Option<B::Tensor>> {
     let cache = cache.context("execute_model before initialize_kv_cache")?;
+    let started = std::time::Instant::now();
     let meta = backend.upload_step(inputs)?;
     after_upload(backend)?;
+    let uploaded = started.elapsed();
     let hidden = model.forward(backend, &meta, cache)?;
-    if inputs.logits_indices.is_empty() {
-        return Ok(None);
-    }
-    Ok(Some(model.compute_logits(backend, &hidden, &meta)?))
+    let forwarded = started.elapsed();
+    let logits = if inputs.logits_indices.is_empty() {
+        None
+    } else {
+        Some(model.compute_logits(backend, &hidden, &meta)?)
+    };
+    // The host's time to enqueue each part (the GPU runs them later).
+    tracing::debug!(
+        target: "vllm_worker::step",
+        upload_us = uploaded.as_micros() as u64,
+        forward_us = (forwarded - uploaded).as_micros() as u64,
+        logits_us = (started.elapsed() - forwarded).as_micros() as u64,
+        "eager pass"
+    );
+    Ok(logits)
 }
 
 /// Threads of one CPU rank: `VLLM_CPU_NUM_THREADS`, else the cores shared out among the
@@ -743,6 +756,7 @@ impl ModelRunner<CudaBackend> {
             outputs.push(output);
             return Ok(outputs);
         };
+        let prepared = started.elapsed();
         let runs = match &self.pending {
             Some(p) => p.rows.input_gathers(so, &self.batch, &step.inputs)?,
             None => Vec::new(),
@@ -788,6 +802,7 @@ impl ModelRunner<CudaBackend> {
             seqs = so.num_scheduled_tokens.len(),
             graph = matches!(logits, StepLogits::Graph(_)),
             deferred,
+            prepare_us = prepared.as_micros() as u64,
             enqueue_us = enqueued.as_micros() as u64,
             sample_us = (started.elapsed() - enqueued).as_micros() as u64,
             "worker step"

@@ -114,7 +114,7 @@ fn eager_pass<B: Backend>(
     } else {
         Some(model.compute_logits(backend, &hidden, &meta)?)
     };
-    // The host's time to enqueue each part (the GPU runs them later).
+    // The host's time in each part: on CUDA, enqueuing it (the GPU runs it later).
     tracing::debug!(
         target: "vllm_worker::step",
         upload_us = uploaded.as_micros() as u64,

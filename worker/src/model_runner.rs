@@ -620,7 +620,7 @@ impl ModelRunner<CudaBackend> {
         let meta = self.backend.upload_step(&inputs)?;
         let (model, backend) = (&self.model, &self.backend);
         let hidden = backend.warming_gemms(|| model.forward(backend, &meta, &mut cache))?;
-        let logits = self.model.compute_logits(&self.backend, &hidden, &meta)?;
+        let logits = model.compute_logits(backend, &hidden, &meta)?;
         let n = inputs.logits_indices.len();
         let params = vllm_protocol::SamplingParams::default();
         let reqs: Vec<SamplingRequest> = (0..n)

@@ -15,6 +15,7 @@ use anyhow::{anyhow, ensure, Result};
 use cudarc::cublas::{result as cr, sys as cs, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
+use super::attention_plan::decode_bucket;
 use super::cache;
 use super::dtype::DType;
 use super::gemm_choices::Mkn;
@@ -40,24 +41,24 @@ pub struct Gemm {
 const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// The rows cuBLAS runs for a product of `m` rows where its buffers hold them (the rows
-/// past m are never read): from 33 rows, m rounded up to a multiple of 8 (the decode
-/// graphs' batch sizes) or of a sixteenth of m's power of two, whichever is larger, so at
-/// most 6 % more rows past a decode batch and 16 row counts an octave. cuBLAS loads a
-/// kernel the first time it takes it, and which one it takes depends finely on m: the
+/// past m are never read): from 33 rows to `DECODE_ROWS`, the decode graphs' batch size
+/// (`decode_bucket`: multiples of 8); past them, m rounded up to a multiple of a sixteenth
+/// of its power of two, so at most 6 % more rows and 16 row counts an octave. cuBLAS loads
+/// a kernel the first time it takes it, and which one it takes depends finely on m: the
 /// first prefill of an unseen row count (nanovllm-256's last, 5,813 rows) held the host
 /// for 25-30 ms, a whole step (docs/BENCHMARKS.md, "A prefill step that stalls the
 /// host"). Rounded, an eager step runs only row counts the start-up ran: the graphs' up
 /// to 256, and `Gemm::warming` the rest.
 pub fn padded_rows(m: usize) -> usize {
-    if m <= 32 {
-        return m; // our own GEMMs' rows on Hopper (gemv, thin_gemm)
+    match m {
+        0..=32 => m, // our own GEMMs' rows on Hopper (gemv, thin_gemm)
+        33..=DECODE_ROWS => decode_bucket(m),
+        _ => m.next_multiple_of(1 << (m.ilog2() - 4)),
     }
-    let octave = 1usize << m.ilog2();
-    m.next_multiple_of((octave / 16).max(8))
 }
 
-/// The most rows a decode graph runs: a product of more is a prefill's, which `warming`
-/// covers.
+/// The rows up to which products are rounded to the decode graphs' batch sizes (the
+/// default `--max-num-seqs`); products of more are a prefill's, which `warming` covers.
 const DECODE_ROWS: usize = 256;
 
 /// `padded_rows`' values between a decode batch and `up_to`, rising.

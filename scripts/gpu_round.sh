@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU round for the CUDA backend, run on the GPU machine from the repository root:
 #
-#   scripts/gpu_round.sh [stage…]     stages: info kernels model serve serve-quick parity
+#   scripts/gpu_round.sh [stage…]     stages: info (the cards, and the host CPUs' noise:
+#                                     scripts/host_noise.c) kernels model serve serve-quick parity
 #                                     parity32 bench offline-bench profile latency-8b
 #                                     kernel-bench graphs (decode latency, graphs vs --enforce-eager)
 #                                     gemv (the thin-GEMM kernel's test, then its bench against cuBLAS)
@@ -505,7 +506,8 @@ export -f bench_run long_context make_model served_check serve_stage wait_health
 
 for s in $STAGES; do
     case $s in
-    info) stage info bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; ls $CUDA_HOME/lib64 | grep -E 'libnvrtc.so|libcublas.so' | head" ;;
+    info) stage info bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; ls $CUDA_HOME/lib64 | grep -E 'libnvrtc.so|libcublas.so' | head; \
+        { cc -O2 -pthread -o /tmp/host_noise scripts/host_noise.c && /tmp/host_noise 2 6 | sed 's/^/BENCH   /'; } || echo 'host noise: not measured (no C compiler)'" ;;
     kernels) stage kernels bash -c "$G/cuda_nvrtc --ignored && $G/cuda_kernels --ignored --test-threads=1 --nocapture" ;;
     sanitize) stage sanitize sanitize_stage ;;
     model) stage model "$G/worker_tests" backend::cuda --ignored --skip hf_parity_dump --skip decode_latency_bench --skip decode_batch_bench --test-threads=1 --nocapture ;;

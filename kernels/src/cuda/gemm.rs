@@ -69,6 +69,14 @@ fn prefill_row_counts(up_to: usize) -> impl Iterator<Item = usize> {
     .take_while(move |&m| m <= up_to)
 }
 
+/// Runs `f` with `flag` set (`Gemm::tuning`, `Gemm::warming`).
+fn while_set<R>(flag: &AtomicBool, f: impl FnOnce() -> R) -> R {
+    flag.store(true, Ordering::Relaxed);
+    let r = f();
+    flag.store(false, Ordering::Relaxed);
+    r
+}
+
 fn data_type(dtype: DType) -> cs::cudaDataType {
     match dtype {
         DType::BF16 => cs::cudaDataType::CUDA_R_16BF,
@@ -122,9 +130,7 @@ impl Gemm {
     /// record on disk, or else is timed against the heuristic's cuBLASLt algorithms (which
     /// synchronises the stream: not while capturing a graph). New choices are saved after.
     pub fn tuning<R>(&self, f: impl FnOnce() -> R) -> R {
-        self.tuning.store(true, Ordering::Relaxed);
-        let r = f();
-        self.tuning.store(false, Ordering::Relaxed);
+        let r = while_set(&self.tuning, f);
         if let Some(lt) = &self.lt {
             lt.save();
         }
@@ -137,10 +143,7 @@ impl Gemm {
     /// operands, so that cuBLAS loads every kernel a prefill can take now rather than in
     /// the middle of serving. The product itself runs last, so `f`'s results stand.
     pub fn warming<R>(&self, f: impl FnOnce() -> R) -> R {
-        self.warming.store(true, Ordering::Relaxed);
-        let r = f();
-        self.warming.store(false, Ordering::Relaxed);
-        r
+        while_set(&self.warming, f)
     }
 
     /// Whether `tuning` is running (the caller's own timed choices may be made too).
